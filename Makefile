@@ -1,0 +1,35 @@
+# Every target installs what it needs into .venv first, so each works on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROTOS := protos/pergrad/v1/tensor.proto protos/pergrad/v1/gradient_service.proto
+
+.PHONY: install test demo bench protos lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[server,dev]'
+	touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(PY) -m ruff check .
+
+test: install lint
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) examples/demo.py
+
+bench: install
+	$(PY) benchmarks/engine.py
+
+protos: install
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos \
+		--pyi_out=protos $(PROTOS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

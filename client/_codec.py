@@ -1,0 +1,165 @@
+"""numpy <-> wire tensors: raw little-endian row-major bytes with a dtype and a shape.
+
+The one codec of the project: the server imports it from here. Large tensors travel
+as a list of `TensorSpec`s followed by `TensorChunk`s; `TensorAssembler` allocates each
+tensor once and copies every chunk straight into place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from pergrad.v1 import tensor_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+_NUMPY_DTYPES: dict[int, np.dtype] = {
+    pb.DATA_TYPE_FLOAT32: np.dtype("<f4"),
+    pb.DATA_TYPE_FLOAT64: np.dtype("<f8"),
+    pb.DATA_TYPE_FLOAT16: np.dtype("<f2"),
+    pb.DATA_TYPE_INT32: np.dtype("<i4"),
+    pb.DATA_TYPE_INT64: np.dtype("<i8"),
+    pb.DATA_TYPE_UINT8: np.dtype("u1"),
+    pb.DATA_TYPE_BOOL: np.dtype("?"),
+}
+_WIRE_DTYPES: dict[str, int] = {dt.name: code for code, dt in _NUMPY_DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """A tensor on the wire does not match its declared dtype, shape or place."""
+
+
+def numpy_dtype(code: int) -> np.dtype:
+    """The little-endian numpy dtype for a wire DataType."""
+    try:
+        return _NUMPY_DTYPES[code]
+    except KeyError:
+        name = pb.DataType.Name(code) if code in pb.DataType.values() else str(code)
+        supported = ", ".join(sorted(_WIRE_DTYPES))
+        raise CodecError(f"unsupported dtype {name}; supported: {supported}") from None
+
+
+def wire_dtype(dtype: np.dtype | str | type) -> int:
+    """The wire DataType for a numpy dtype."""
+    name = np.dtype(dtype).name
+    try:
+        return _WIRE_DTYPES[name]
+    except KeyError:
+        supported = ", ".join(sorted(_WIRE_DTYPES))
+        raise CodecError(f"dtype {name} cannot travel; supported: {supported}") from None
+
+
+def dtype_name(code: int) -> str:
+    """Short readable name of a wire DataType, e.g. 'float32'."""
+    return numpy_dtype(code).name
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def encode_tensor(array: np.ndarray) -> pb.Tensor:
+    """A whole array as one `Tensor` message (for request inputs)."""
+    array = _little_endian(np.asarray(array))
+    return pb.Tensor(dtype=wire_dtype(array.dtype), shape=array.shape, content=array.tobytes())
+
+
+def checked_shape(shape: Sequence[int], *, what: str) -> tuple[int, ...]:
+    """Shape as a tuple, refusing negative dimensions before anything is allocated."""
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise CodecError(f"{what}: shape {list(shape)} has a negative dimension")
+    return shape
+
+
+def declared_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+
+
+def decode_tensor(tensor: pb.Tensor, *, what: str) -> np.ndarray:
+    """A read-only array viewing the message's bytes; `what` names the field in errors."""
+    dtype = numpy_dtype(tensor.dtype)
+    shape = checked_shape(tensor.shape, what=what)
+    expected = declared_nbytes(dtype, shape)
+    if expected != len(tensor.content):
+        raise CodecError(
+            f"{what}: {dtype.name} {list(shape)} needs {expected} bytes, got {len(tensor.content)}"
+        )
+    return np.frombuffer(tensor.content, dtype=dtype).reshape(shape)
+
+
+def tensor_spec(name: str, array: np.ndarray) -> pb.TensorSpec:
+    return pb.TensorSpec(name=name, dtype=wire_dtype(array.dtype), shape=array.shape)
+
+
+def iter_chunks(
+    index: int, array: np.ndarray, *, start: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[pb.TensorChunk]:
+    """Chunks of `array`'s bytes for tensor number `index`, the first at byte `start`.
+
+    `start` lets a slice of examples fill its place in the whole tensor: the rows of a
+    C-contiguous [B, ...] tensor are contiguous byte ranges.
+    """
+    data = memoryview(_little_endian(array)).cast("B")
+    for offset in range(0, len(data), chunk_bytes):
+        yield pb.TensorChunk(
+            tensor=index, offset=start + offset, data=data[offset : offset + chunk_bytes].tobytes()
+        )
+
+
+class TensorAssembler:
+    """Fills tensors announced by specs from chunks that arrive, per tensor, in order.
+
+    In-order, gap-free chunks make a truncated, duplicated or reordered stream an error
+    rather than a silently wrong tensor.
+    """
+
+    def __init__(self, specs: Sequence[pb.TensorSpec], *, max_bytes: int | None = None) -> None:
+        self._arrays: list[np.ndarray] = []
+        self._bytes: list[memoryview] = []
+        self._filled: list[int] = []
+        self._names = [spec.name for spec in specs]
+        total = 0
+        for spec in specs:
+            dtype = numpy_dtype(spec.dtype)
+            shape = checked_shape(spec.shape, what=f"tensor {spec.name!r}")
+            total += declared_nbytes(dtype, shape)
+            if max_bytes is not None and total > max_bytes:
+                raise CodecError(f"tensors declare more than the limit of {max_bytes} bytes")
+        for spec in specs:
+            array = np.empty(tuple(spec.shape), dtype=numpy_dtype(spec.dtype))
+            self._arrays.append(array)
+            self._bytes.append(memoryview(array.reshape(-1)).cast("B"))
+            self._filled.append(0)
+
+    def add(self, chunk: pb.TensorChunk) -> None:
+        if chunk.tensor >= len(self._arrays):
+            raise CodecError(
+                f"chunk for tensor {chunk.tensor}, but only {len(self._arrays)} declared"
+            )
+        filled = self._filled[chunk.tensor]
+        target = self._bytes[chunk.tensor]
+        name = self._names[chunk.tensor]
+        if chunk.offset != filled:
+            raise CodecError(
+                f"tensor {name!r}: chunk at byte {chunk.offset}, expected {filled} (out of order)"
+            )
+        end = filled + len(chunk.data)
+        if end > len(target):
+            raise CodecError(f"tensor {name!r}: chunk ends at byte {end}, past {len(target)}")
+        target[filled:end] = chunk.data
+        self._filled[chunk.tensor] = end
+
+    @property
+    def complete(self) -> bool:
+        return all(f == len(b) for f, b in zip(self._filled, self._bytes, strict=True))
+
+    def arrays(self) -> list[np.ndarray]:
+        """The filled tensors; an error names the first one still missing bytes."""
+        for name, filled, target in zip(self._names, self._filled, self._bytes, strict=True):
+            if filled != len(target):
+                raise CodecError(f"tensor {name!r} truncated: {filled} of {len(target)} bytes")
+        return self._arrays

@@ -1,0 +1,93 @@
+"""The result layout on the wire: which output tensors a ResultHeader lists, and back.
+
+Both sides use this module, so the field names exist once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from pergrad.client._codec import CodecError, TensorAssembler, wire_dtype
+from pergrad.client._types import GradientResult, PergradError
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+
+LOSSES = "losses"
+GRADIENTS = "gradients"
+
+
+def header_for_shapes(
+    *,
+    model: str,
+    model_version: int,
+    batch_size: int,
+    loss_dtype: np.dtype,
+    variables: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+) -> pb.ResultHeader:
+    """Header announced before computing: losses [B], then one [B, *shape] per variable."""
+    outputs = [
+        pb.ResultTensor(
+            field=LOSSES,
+            tensor=tensor_pb2.TensorSpec(dtype=wire_dtype(loss_dtype), shape=[batch_size]),
+        )
+    ]
+    outputs += [
+        pb.ResultTensor(
+            field=GRADIENTS,
+            tensor=tensor_pb2.TensorSpec(
+                name=name, dtype=wire_dtype(dtype), shape=[batch_size, *shape]
+            ),
+        )
+        for name, dtype, shape in variables
+    ]
+    return pb.ResultHeader(
+        model=model, model_version=model_version, batch_size=batch_size, outputs=outputs
+    )
+
+
+def result_from_arrays(header: pb.ResultHeader, arrays: Sequence[np.ndarray]) -> GradientResult:
+    losses = None
+    gradients: dict[str, np.ndarray] = {}
+    for output, array in zip(header.outputs, arrays, strict=True):
+        if output.field == LOSSES:
+            losses = array
+        elif output.field == GRADIENTS:
+            gradients[output.tensor.name] = array
+        else:
+            raise PergradError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"server sent output field {output.field!r}, unknown to this client; upgrade it",
+            )
+    if losses is None:
+        raise PergradError(grpc.StatusCode.INTERNAL, "server sent a result without losses")
+    return GradientResult(
+        losses=losses, gradients=gradients, model_version=header.model_version, model=header.model
+    )
+
+
+def read_results(responses: Iterator[pb.GradientsResponse]) -> Iterator[tuple[int, GradientResult]]:
+    """(request_id, result) for each complete result in a response stream, in order."""
+    header: pb.ResultHeader | None = None
+    assembler: TensorAssembler | None = None
+    request_id = 0
+    try:
+        for response in responses:
+            if response.HasField("header"):
+                if assembler is not None:
+                    raise CodecError(f"result {request_id} ended before all its bytes arrived")
+                header, request_id = response.header, response.request_id
+                assembler = TensorAssembler([o.tensor for o in header.outputs])
+            elif assembler is None or response.request_id != request_id:
+                raise CodecError("chunk without a header for its request")
+            else:
+                assembler.add(response.chunk)
+            if assembler is not None and assembler.complete:
+                yield request_id, result_from_arrays(header, assembler.arrays())
+                assembler = None
+        if assembler is not None:
+            raise CodecError(f"stream ended inside result {request_id}")
+    except CodecError as err:
+        raise PergradError(grpc.StatusCode.DATA_LOSS, str(err)) from None

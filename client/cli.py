@@ -1,0 +1,116 @@
+"""The `pergrad` command: `info`, `grads` (client side) and `serve` (needs pergrad[server])."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from pergrad.client import GradientClient, ModelInfo, PergradError
+
+DEFAULT_TARGET = os.environ.get("PERGRAD_TARGET", "localhost:50051")
+
+
+def _describe(info: ModelInfo) -> str:
+    lines = [
+        f"{info.name}  version {info.model_version}  {info.num_parameters:,} parameters",
+        f"  input   {info.input.dtype.name} {list(info.input.shape)}",
+        f"  labels  {info.labels.dtype.name} {list(info.labels.shape)}"
+        + (f"  classes {info.num_classes}" if info.num_classes else ""),
+        f"  loss    {info.loss}",
+    ]
+    lines += [f"  var     {v.name}  {v.dtype.name} {list(v.shape)}" for v in info.variables]
+    return "\n".join(lines)
+
+
+def _info(args: argparse.Namespace) -> int:
+    with GradientClient(args.target, timeout=args.timeout) as client:
+        names = [args.model] if args.model else client.list_models()
+        print("\n".join(_describe(client.model_info(name)) for name in names))
+    return 0
+
+
+def _batches(x: np.ndarray, y: np.ndarray, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for start in range(0, len(x), size):
+        yield x[start : start + size], y[start : start + size]
+
+
+def _grads(args: argparse.Namespace) -> int:
+    with np.load(args.data) as data:
+        x, y = data[args.x_key], data[args.y_key]
+    if len(x) != len(y):
+        raise SystemExit(f"{args.data}: {len(x)} inputs but {len(y)} labels")
+    out: dict[str, np.ndarray] = {}
+    with GradientClient(args.target, timeout=args.timeout) as client:
+        results = client.stream(args.model, _batches(x, y, args.batch_size))
+        progress = tqdm(total=len(x), unit="ex", disable=args.quiet)
+        start = 0
+        for result in results:
+            stop = start + result.batch_size
+            named = {"losses": result.losses, "norms": result.norms()}
+            named |= {f"grad/{name}": grad for name, grad in result.gradients.items()}
+            for key, value in named.items():
+                if key not in out:
+                    out[key] = np.empty((len(x), *value.shape[1:]), dtype=value.dtype)
+                out[key][start:stop] = value
+            out["model_version"] = np.asarray(result.model_version)
+            start = stop
+            progress.update(result.batch_size)
+        progress.close()
+    np.savez(args.out, **out)
+    grads = sum(key.startswith("grad/") for key in out)
+    print(f"wrote {args.out}: {len(x)} examples, {grads} gradient tensors")
+    return 0
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
+        from pergrad.server.main import serve
+    except ImportError as err:
+        print(
+            f"pergrad serve needs the server: pip install 'pergrad[server]' ({err})",
+            file=sys.stderr,
+        )
+        return 2
+    return serve(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pergrad", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run a server (flags: pergrad serve --help)", add_help=False)
+    for name, help_text in [("info", "describe served models"), ("grads", "gradients of a .npz")]:
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--target", default=DEFAULT_TARGET, help="server address (PERGRAD_TARGET)")
+        cmd.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
+    info = sub.choices["info"]
+    info.add_argument("--model", help="one model (default: all)")
+    grads = sub.choices["grads"]
+    grads.add_argument("--model", required=True)
+    grads.add_argument("--data", required=True, help=".npz with inputs and labels")
+    grads.add_argument("--out", required=True, help=".npz to write")
+    grads.add_argument("--x-key", default="x", help="inputs array in --data")
+    grads.add_argument("--y-key", default="y", help="labels array in --data")
+    grads.add_argument("--batch-size", type=int, default=64)
+    grads.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        return {"info": _info, "grads": _grads}[args.command](args)
+    except PergradError as err:
+        print(f"pergrad {args.command}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+from pergrad.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    model_version: int
+    variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
+    input: _tensor_pb2.TensorSpec
+    labels: _tensor_pb2.TensorSpec
+    loss: str
+    num_classes: int
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ...) -> None: ...
+
+class GetWeightsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class WeightsHeader(_message.Message):
+    __slots__ = ("model", "model_version", "tensors")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class WeightsMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: WeightsHeader
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class SetWeightsResponse(_message.Message):
+    __slots__ = ("model", "model_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_version: int
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
+
+class GradientsRequest(_message.Message):
+    __slots__ = ("model", "model_version", "inputs", "labels", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_version: int
+    inputs: _tensor_pb2.Tensor
+    labels: _tensor_pb2.Tensor
+    request_id: int
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ResultTensor(_message.Message):
+    __slots__ = ("field", "tensor")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    tensor: _tensor_pb2.TensorSpec
+    def __init__(self, field: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
+
+class ResultHeader(_message.Message):
+    __slots__ = ("model", "model_version", "batch_size", "outputs")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    model_version: int
+    batch_size: int
+    outputs: _containers.RepeatedCompositeFieldContainer[ResultTensor]
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ...) -> None: ...
+
+class GradientsResponse(_message.Message):
+    __slots__ = ("request_id", "header", "chunk")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    header: ResultHeader
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, request_id: _Optional[int] = ..., header: _Optional[_Union[ResultHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...

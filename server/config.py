@@ -1,0 +1,120 @@
+"""Server configuration: flags, each with a PERGRAD_* environment default, validated once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A setting the server cannot start with; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    models: tuple[str, ...] = ()
+    model_dir: Path | None = None
+    loss: str | None = None
+    max_batch: int = 4096
+    max_request_bytes: int = 64 << 20
+    chunk_bytes: int = 1 << 20
+    workers: int = 8
+    grace_s: float = 10.0
+    log_level: str = "INFO"
+
+    def validate(self) -> Config:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        for flag, value in [
+            ("--max-batch", self.max_batch),
+            ("--max-request-bytes", self.max_request_bytes),
+            ("--chunk-bytes", self.chunk_bytes),
+            ("--workers", self.workers),
+        ]:
+            if value < 1:
+                raise ConfigError(f"{flag} must be positive, got {value}")
+        if self.grace_s < 0:
+            raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
+        if self.model_dir is not None and not self.model_dir.is_dir():
+            raise ConfigError(f"--model-dir {str(self.model_dir)!r} is not a directory")
+        return self
+
+
+def _env(name: str, default: object) -> object:
+    return os.environ.get(f"PERGRAD_{name}", default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve flags; each defaults to its PERGRAD_<NAME> environment variable."""
+    d = Config()
+    parser.add_argument("--host", default=_env("HOST", d.host), help="address to bind")
+    parser.add_argument("--port", default=_env("PORT", d.port), help="0 picks a free port")
+    parser.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        help="built-in model name or .keras path (repeatable; PERGRAD_MODELS is a "
+        "comma-separated list; default: every built-in model)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=_env("MODEL_DIR", None),
+        help=".keras files load only from inside this directory",
+    )
+    parser.add_argument(
+        "--loss",
+        default=_env("LOSS", None),
+        help="Keras loss name for .keras models compiled without one",
+    )
+    parser.add_argument("--max-batch", default=_env("MAX_BATCH", d.max_batch))
+    parser.add_argument(
+        "--max-request-bytes", default=_env("MAX_REQUEST_BYTES", d.max_request_bytes)
+    )
+    parser.add_argument("--chunk-bytes", default=_env("CHUNK_BYTES", d.chunk_bytes))
+    parser.add_argument("--workers", default=_env("WORKERS", d.workers), help="concurrent RPCs")
+    parser.add_argument(
+        "--grace",
+        dest="grace_s",
+        default=_env("GRACE", d.grace_s),
+        help="seconds to drain in-flight calls on SIGTERM",
+    )
+    parser.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
+
+
+def _number(args: argparse.Namespace, attr: str, kind: type) -> int | float:
+    value = getattr(args, attr)
+    try:
+        return kind(value)
+    except ValueError:
+        flag = "--" + attr.removesuffix("_s").replace("_", "-")
+        env = "PERGRAD_" + attr.removesuffix("_s").upper()
+        raise ConfigError(f"{flag} (or {env}) must be a number, got {value!r}") from None
+
+
+def from_args(args: argparse.Namespace) -> Config:
+    env_models = [m for m in str(_env("MODELS", "")).split(",") if m]
+    return Config(
+        host=args.host,
+        port=_number(args, "port", int),
+        models=tuple(args.models or env_models),
+        model_dir=Path(args.model_dir) if args.model_dir else None,
+        loss=args.loss,
+        max_batch=_number(args, "max_batch", int),
+        max_request_bytes=_number(args, "max_request_bytes", int),
+        chunk_bytes=_number(args, "chunk_bytes", int),
+        workers=_number(args, "workers", int),
+        grace_s=_number(args, "grace_s", float),
+        log_level=str(args.log_level).upper(),
+    ).validate()
+
+
+def parse(argv: Sequence[str]) -> Config:
+    parser = argparse.ArgumentParser(prog="pergrad serve")
+    add_arguments(parser)
+    return from_args(parser.parse_args(argv))

@@ -1,0 +1,9 @@
+"""Per-example gradients in TensorFlow; no gRPC here, usable in-process.
+
+from pergrad.server.engine import Engine
+result = Engine(model, loss="sparse_categorical_crossentropy").per_example_gradients(x, y)
+"""
+
+from pergrad.server.engine.engine import Engine, InputSpec, SliceResult, VariableSpec
+
+__all__ = ["Engine", "InputSpec", "SliceResult", "VariableSpec"]

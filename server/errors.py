@@ -1,0 +1,30 @@
+"""Errors the server reports to callers, each tied to one gRPC status code by name.
+
+The engine raises these without importing gRPC; the service maps `code` to a status.
+"""
+
+
+class PergradServerError(Exception):
+    """A request the server cannot serve as asked; the message tells the caller why."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(PergradServerError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(PergradServerError):
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(PergradServerError):
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(PergradServerError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unimplemented(PergradServerError):
+    code = "UNIMPLEMENTED"

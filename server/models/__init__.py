@@ -1,0 +1,1 @@
+"""Models pergrad serves: built-in ones and `.keras` files, each with versioned weights."""

@@ -1,0 +1,59 @@
+"""The models a server holds: each an engine plus its versioned weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from pergrad.server.engine import Engine
+from pergrad.server.errors import NotFound
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.server.models.keras_file import load_keras_file, resolve_model_path
+from pergrad.server.weights import WeightsStore
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    engine: Engine
+    weights: WeightsStore
+
+
+def serve_model(name: str, model: keras.Model, *, loss: Any = None) -> ServedModel:
+    engine = Engine(model, loss=loss)
+    return ServedModel(name, engine, WeightsStore(engine.variables, engine.initial_weights()))
+
+
+def load_model(spec: str, *, model_dir: Path | None, loss: Any = None) -> ServedModel:
+    """A built-in model by name, or a `.keras` file (named by its file stem)."""
+    if spec in BUILTIN_MODELS:
+        return serve_model(spec, BUILTIN_MODELS[spec](), loss=loss or LOSS)
+    path = resolve_model_path(spec, model_dir)
+    return serve_model(path.stem, load_keras_file(path), loss=loss)
+
+
+class ModelRegistry:
+    def __init__(self, models: Iterable[ServedModel]) -> None:
+        self._models: dict[str, ServedModel] = {}
+        for model in models:
+            if model.name in self._models:
+                raise ValueError(f"two models named {model.name!r}")
+            self._models[model.name] = model
+            _LOGGER.info("serving model %s", model.name)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def get(self, name: str) -> ServedModel:
+        try:
+            return self._models[name]
+        except KeyError:
+            raise NotFound(f"model {name!r} not found; served models: {self.names}") from None

@@ -1,0 +1,200 @@
+"""The gRPC servicer: validate, call the engine, stream the result in chunks.
+
+Every method is wrapped by `_status`, the one place where errors become gRPC status
+codes; nothing else aborts a call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from pergrad.client._codec import (
+    CodecError,
+    TensorAssembler,
+    decode_tensor,
+    iter_chunks,
+    numpy_dtype,
+    tensor_spec,
+    wire_dtype,
+)
+from pergrad.client._results import header_for_shapes
+from pergrad.server.config import Config
+from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.models.registry import ModelRegistry
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+from pergrad.v1 import tensor_pb2
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def _abort(context: grpc.ServicerContext, err: Exception) -> None:
+    if isinstance(err, PergradServerError):
+        context.abort(grpc.StatusCode[err.code], str(err))
+    if isinstance(err, CodecError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    _LOGGER.exception("internal error")
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+
+
+def _status(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Map pergrad and codec errors to their status codes, anything else to INTERNAL."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, request, context)
+            except Exception as err:
+                _abort(context, err)
+
+        return streaming
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as err:
+            _abort(context, err)
+
+    return unary
+
+
+def _batched_spec(
+    name: str, dtype: np.dtype, shape: tuple[int | None, ...]
+) -> tensor_pb2.TensorSpec:
+    """Spec with -1 for the batch and for any per-example dimension of free size."""
+    dims = [-1, *(-1 if d is None else d for d in shape)]
+    return tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=dims)
+
+
+class GradientServicer(pb_grpc.GradientServiceServicer):
+    def __init__(self, registry: ModelRegistry, config: Config) -> None:
+        self._registry = registry
+        self._config = config
+
+    @_status
+    def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=self._registry.names)
+
+    @_status
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.ModelInfo:
+        served = self._registry.get(request.model)
+        engine = served.engine
+        return pb.ModelInfo(
+            name=served.name,
+            model_version=served.weights.current.version,
+            variables=[
+                tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
+                for v in engine.variables
+            ],
+            input=_batched_spec("input", engine.input_spec.dtype, engine.input_spec.shape),
+            labels=_batched_spec("labels", engine.label_spec.dtype, engine.label_spec.shape),
+            loss=engine.loss.description,
+            num_classes=engine.label_spec.num_classes,
+        )
+
+    @_status
+    def GetWeights(
+        self, request: pb.GetWeightsRequest, context: Any
+    ) -> Iterator[pb.WeightsMessage]:
+        served = self._registry.get(request.model)
+        snapshot = served.weights.current
+        arrays = served.weights.arrays(snapshot)
+        specs = [tensor_spec(name, array) for name, array in arrays.items()]
+        yield pb.WeightsMessage(
+            header=pb.WeightsHeader(
+                model=served.name, model_version=snapshot.version, tensors=specs
+            )
+        )
+        for index, array in enumerate(arrays.values()):
+            for chunk in iter_chunks(index, array, chunk_bytes=self._config.chunk_bytes):
+                yield pb.WeightsMessage(chunk=chunk)
+
+    @_status
+    def SetWeights(
+        self, request_iterator: Iterator[pb.WeightsMessage], context: Any
+    ) -> pb.SetWeightsResponse:
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("SetWeights: the first message must be a WeightsHeader")
+        header = first.header
+        served = self._registry.get(header.model)
+        served.weights.check(
+            [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
+        )
+        assembler = TensorAssembler(header.tensors)
+        for message in request_iterator:
+            if not message.HasField("chunk"):
+                raise InvalidArgument("SetWeights: one header first, then only chunks")
+            assembler.add(message.chunk)
+        arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
+        version = served.weights.replace(arrays, expected_version=header.model_version)
+        _LOGGER.info("model %s: weights version %d", served.name, version)
+        return pb.SetWeightsResponse(model=served.name, model_version=version)
+
+    @_status
+    def ComputePerExampleGradients(
+        self, request: pb.GradientsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GradientsResponse]:
+        yield from self._gradients(request, context)
+
+    @_status
+    def StreamPerExampleGradients(
+        self, request_iterator: Iterator[pb.GradientsRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.GradientsResponse]:
+        for request in request_iterator:
+            try:
+                yield from self._gradients(request, context)
+            except PergradServerError as err:
+                raise type(err)(f"request {request.request_id}: {err}") from err
+
+    def _decode_batch(self, request: pb.GradientsRequest) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and labels as arrays viewing the request's bytes, sizes checked first."""
+        tensors = {"inputs": request.inputs, "labels": request.labels}
+        for field, tensor in tensors.items():
+            if not request.HasField(field):
+                raise InvalidArgument(f"{field}: missing")
+            if tensor.shape and tensor.shape[0] > self._config.max_batch:
+                raise InvalidArgument(
+                    f"{field}: batch of {tensor.shape[0]} exceeds --max-batch "
+                    f"{self._config.max_batch}; split it"
+                )
+        x, y = (decode_tensor(tensor, what=field) for field, tensor in tensors.items())
+        return x, y
+
+    def _gradients(
+        self, request: pb.GradientsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GradientsResponse]:
+        served = self._registry.get(request.model)
+        x, y = self._decode_batch(request)
+        snapshot = served.weights.get(request.model_version)
+        engine = served.engine
+        slices = engine.iter_slices(x, y, trainable=snapshot.trainable)
+        request_id = request.request_id
+        yield pb.GradientsResponse(
+            request_id=request_id,
+            header=header_for_shapes(
+                model=served.name,
+                model_version=snapshot.version,
+                batch_size=x.shape[0],
+                loss_dtype=engine.loss_dtype,
+                variables=[(v.name, v.dtype, v.shape) for v in engine.variables],
+            ),
+        )
+        for part in slices:
+            if not context.is_active():
+                return
+            for index, array in enumerate([part.losses, *part.gradients]):
+                start = part.start * (array.nbytes // array.shape[0])
+                for chunk in iter_chunks(
+                    index, array, start=start, chunk_bytes=self._config.chunk_bytes
+                ):
+                    yield pb.GradientsResponse(request_id=request_id, chunk=chunk)

@@ -1,0 +1,55 @@
+"""Helpers the tests share: the tolerance contract, reference models, random batches."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import keras
+import numpy as np
+
+# float32 results of the vectorized pass and of the batch-size-1 loop sum the same terms in
+# different orders (and oneDNN picks different kernels per batch size), so they differ by
+# a few ulps of the tensor's largest entry; 1e-5 of that scale is the contract.
+RELATIVE_TOLERANCE = 1e-5
+
+KERAS_MODEL_NAME = "tabular"
+
+
+def assert_close(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> None:
+    """Every tensor within RELATIVE_TOLERANCE of its reference's scale; lists all misses."""
+    assert actual.keys() == expected.keys()
+    misses = []
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+        scale = float(np.max(np.abs(want))) or 1.0
+        error = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+        if error > RELATIVE_TOLERANCE:
+            misses.append(f"{name}: relative error {error:.2e}")
+    assert not misses, "; ".join(misses)
+
+
+def tabular_model() -> keras.Model:
+    """A functional model with a nested Sequential block and a compiled loss."""
+    init = keras.initializers.GlorotUniform
+    inputs = keras.Input((12,), name="features")
+    block = keras.Sequential(
+        [
+            keras.layers.Dense(16, activation="tanh", kernel_initializer=init(7), name="d1"),
+            keras.layers.Dense(8, activation="gelu", kernel_initializer=init(8), name="d2"),
+        ],
+        name="block",
+    )
+    hidden = block(inputs)
+    outputs = keras.layers.Dense(5, kernel_initializer=init(9), name="head")(hidden)
+    model = keras.Model(inputs, outputs, name=KERAS_MODEL_NAME)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def batch_for(shape: tuple[int, ...], classes: int, size: int, seed: int = 0):
+    """Random float inputs [size, *shape] and class labels in [0, classes)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((size, *shape)).astype(np.float32)
+    y = rng.integers(0, classes, size=size).astype(np.int32)
+    return x, y

@@ -1,0 +1,104 @@
+"""The engine against the batch-size-1 loop, on every model the server ships and more."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from pergrad.server.engine import Engine
+from pergrad.server.engine.reference import References
+from pergrad.server.errors import InvalidArgument
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests.helpers import assert_close, batch_for, tabular_model
+
+
+def _engine(name: str) -> Engine:
+    if name == "tabular":
+        return Engine(tabular_model())
+    return Engine(BUILTIN_MODELS[name](), loss=LOSS)
+
+
+def _batch(engine: Engine, size: int, seed: int = 0):
+    return batch_for(engine.input_spec.shape, engine.label_spec.num_classes, size, seed)
+
+
+MODELS = ["mnist_mlp", "mnist_cnn", "tabular"]
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+@pytest.mark.parametrize("name", MODELS)
+def test_per_example_gradients_match_batch_size_one_loop(name: str, batch_size: int) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine, batch_size)
+    result = engine.per_example_gradients(x, y)
+    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close({"losses": result.losses}, {"losses": losses})
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mean_of_per_example_gradients_is_batch_gradient(name: str) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine, 32, seed=1)
+    result = engine.per_example_gradients(x, y)
+    _, mean_grads = References(engine.model, engine.loss).mean_gradient(x, y)
+    means = {k: v.mean(axis=0) for k, v in result.gradients.items()}
+    assert_close(means, dict(zip(means, mean_grads, strict=True)))
+
+
+def test_slices_give_the_same_result_as_one_pass() -> None:
+    whole = _engine("mnist_mlp")
+    sliced = Engine(whole.model, loss=LOSS, slice_bytes=3 * 101_770 * 4)
+    assert sliced.slice_size == 3
+    x, y = _batch(whole, 10)
+    assert_close(
+        sliced.per_example_gradients(x, y).gradients, whole.per_example_gradients(x, y).gradients
+    )
+
+
+def test_given_weights_are_used_instead_of_the_models() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine, 4)
+    doubled = [w * 2 for w in engine.initial_weights()]
+    result = engine.per_example_gradients(x, y, trainable=doubled)
+    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y, trainable=doubled)
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+def test_sequence_outputs_average_loss_over_time_steps() -> None:
+    inputs = keras.Input((6, 3))
+    outputs = keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(3))(inputs)
+    engine = Engine(keras.Model(inputs, outputs), loss="mean_squared_error")
+    assert engine.label_spec.shape == (6, 2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 6, 3)).astype(np.float32)
+    y = rng.standard_normal((5, 6, 2)).astype(np.float32)
+    result = engine.per_example_gradients(x, y)
+    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close({"l": result.losses}, {"l": losses})
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "x_dtype", "y", "message"),
+    [
+        ((0, 784), np.float32, np.zeros(0, np.int32), "empty batch"),
+        ((2, 783), np.float32, np.zeros(2, np.int32), "shape [2, 783]"),
+        ((2, 784), np.float64, np.zeros(2, np.int32), "dtype float64"),
+        ((2, 784), np.float32, np.zeros(3, np.int32), "labels: shape [3]"),
+        ((2, 784), np.float32, np.array([0, 10], np.int32), "class index 10"),
+        ((2, 784), np.float32, np.array([-1, 0], np.int32), "class index -1"),
+        ((2, 784), np.float32, np.zeros(2, np.int64), "labels: dtype int64"),
+    ],
+)
+def test_bad_batches_are_refused_naming_the_problem(x_shape, x_dtype, y, message) -> None:
+    engine = _engine("mnist_mlp")
+    with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]")):
+        engine.iter_slices(np.zeros(x_shape, x_dtype), y)
+
+
+def test_model_without_loss_is_refused() -> None:
+    inputs = keras.Input((3,))
+    with pytest.raises(ValueError, match="no compiled loss"):
+        Engine(keras.Model(inputs, keras.layers.Dense(2)(inputs)))

@@ -1,0 +1,49 @@
+"""`.keras` files load only from inside --model-dir and only in Keras safe mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import keras
+import pytest
+
+from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
+from pergrad.server.models.registry import load_model
+from tests.helpers import KERAS_MODEL_NAME
+
+
+def test_relative_name_loads_from_the_model_dir(model_dir: Path) -> None:
+    served = load_model(f"{KERAS_MODEL_NAME}.keras", model_dir=model_dir)
+    assert served.name == KERAS_MODEL_NAME
+    assert served.engine.label_spec.num_classes == 5
+
+
+def test_path_escaping_the_model_dir_is_refused(model_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="outside --model-dir"):
+        resolve_model_path(f"../{model_dir.name}/{KERAS_MODEL_NAME}.keras", model_dir / "sub")
+
+
+def test_symlink_escaping_the_model_dir_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    (inner / "link.keras").symlink_to(model_dir / f"{KERAS_MODEL_NAME}.keras")
+    with pytest.raises(ModelLoadError, match="outside --model-dir"):
+        resolve_model_path("link.keras", inner)
+
+
+def test_absolute_path_outside_the_model_dir_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="outside --model-dir"):
+        resolve_model_path(str(model_dir / f"{KERAS_MODEL_NAME}.keras"), tmp_path)
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no such file"):
+        resolve_model_path("absent.keras", tmp_path)
+
+
+def test_lambda_layer_is_refused_in_safe_mode(tmp_path: Path) -> None:
+    inputs = keras.Input((3,))
+    outputs = keras.layers.Lambda(lambda t: t * 2)(inputs)
+    keras.Model(inputs, outputs).save(tmp_path / "lambda.keras")
+    with pytest.raises(ModelLoadError, match="cannot be loaded safely"):
+        load_keras_file(tmp_path / "lambda.keras")

@@ -1,0 +1,248 @@
+"""The service end to end: a real gRPC server on 127.0.0.1 and the real client."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pergrad.client import GradientClient, PergradError
+from pergrad.server.engine import Engine
+from pergrad.server.engine.reference import References
+from pergrad.server.main import SERVICE_NAME, RunningServer
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for, tabular_model
+
+
+def _reference(name: str) -> References:
+    if name == KERAS_MODEL_NAME:
+        model = tabular_model()
+        return References(model, Engine(model).loss)
+    model = BUILTIN_MODELS[name]()
+    return References(model, Engine(model, loss=LOSS).loss)
+
+
+def _batch(client: GradientClient, name: str, size: int, seed: int = 0):
+    info = client.model_info(name)
+    return batch_for(info.input.shape[1:], info.num_classes, size, seed)
+
+
+def test_list_models_names_every_served_model(client: GradientClient) -> None:
+    assert client.list_models() == sorted(["mnist_cnn", "mnist_mlp", KERAS_MODEL_NAME])
+
+
+def test_model_info_describes_variables_input_labels_and_loss(client: GradientClient) -> None:
+    info = client.model_info("mnist_cnn")
+    assert info.model_version == 1
+    assert [v.name for v in info.variables][:2] == ["conv1/kernel", "conv1/bias"]
+    assert info.variables[0].shape == (8, 8, 1, 16)
+    assert info.input.shape == (-1, 28, 28, 1) and info.input.dtype == np.float32
+    assert info.labels.shape == (-1,) and info.labels.dtype == np.int32
+    assert info.num_classes == 10 and "from_logits=True" in info.loss
+
+
+@pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn", KERAS_MODEL_NAME])
+def test_remote_gradients_match_batch_size_one_loop(client: GradientClient, name: str) -> None:
+    x, y = _batch(client, name, 7)
+    result = client.per_example_gradients(name, x, y)
+    losses, grads = _reference(name).batch_size_one_loop(x, y)
+    assert result.model_version == 1 and result.model == name
+    assert_close({"losses": result.losses}, {"losses": losses})
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+def test_result_larger_than_4_mib_arrives_intact(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 64)
+    result = client.per_example_gradients("mnist_mlp", x, y)
+    assert sum(g.nbytes for g in result.gradients.values()) > 4 << 20
+    _, grads = _reference("mnist_mlp").batch_size_one_loop(x, y)
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+def test_numpy_defaults_are_cast_to_model_dtypes(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 5)
+    wide = client.per_example_gradients(
+        "mnist_mlp", np.asfortranarray(x, np.float64), y.astype(np.int64)
+    )
+    exact = client.per_example_gradients("mnist_mlp", x, y)
+    np.testing.assert_array_equal(wide.losses, exact.losses)
+
+
+def test_float_labels_for_class_indices_are_refused_by_the_client(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 2)
+    with pytest.raises(PergradError, match="labels: model expects int32, got float64") as err:
+        client.per_example_gradients("mnist_mlp", x, y.astype(np.float64) + 0.5)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_stream_returns_every_batch_in_order(client: GradientClient) -> None:
+    batches = [_batch(client, "mnist_cnn", size, seed=size) for size in (3, 1, 5, 2)]
+    results = list(client.stream("mnist_cnn", iter(batches)))
+    assert [r.batch_size for r in results] == [3, 1, 5, 2]
+    for (x, y), result in zip(batches, results, strict=True):
+        single = client.per_example_gradients("mnist_cnn", x, y)
+        assert_close(result.gradients, single.gradients)
+
+
+def test_stream_reports_the_failing_batch(client: GradientClient) -> None:
+    good = _batch(client, "mnist_mlp", 2)
+    bad = (good[0], np.array([0, 99], np.int32))
+    with pytest.raises(PergradError, match="request 2: labels: class index 99") as err:
+        list(client.stream("mnist_mlp", [good, bad, good]))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_set_weights_changes_gradients_and_version(fresh_client: GradientClient) -> None:
+    version, weights = fresh_client.get_weights("mnist_mlp")
+    scaled = {name: w * 1.5 for name, w in weights.items()}
+    assert fresh_client.set_weights("mnist_mlp", scaled) == version + 1
+    x, y = _batch(fresh_client, "mnist_mlp", 3)
+    result = fresh_client.per_example_gradients("mnist_mlp", x, y)
+    reference = _reference("mnist_mlp")
+    _, grads = reference.batch_size_one_loop(x, y, trainable=list(scaled.values()))
+    assert result.model_version == version + 1
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    assert fresh_client.get_weights("mnist_mlp")[0] == version + 1
+
+
+def test_set_weights_with_a_wrong_shape_changes_nothing(fresh_client: GradientClient) -> None:
+    version, weights = fresh_client.get_weights("mnist_mlp")
+    broken = {**{n: w + 1 for n, w in weights.items()}, "logits/bias": np.zeros(11, np.float32)}
+    with pytest.raises(PergradError, match=r"weights\['logits/bias'\]: float32 \[11\]") as err:
+        fresh_client.set_weights("mnist_mlp", broken)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    after_version, after = fresh_client.get_weights("mnist_mlp")
+    assert after_version == version
+    for name in weights:
+        np.testing.assert_array_equal(after[name], weights[name])
+
+
+def test_set_weights_missing_a_variable_is_refused(fresh_client: GradientClient) -> None:
+    _, weights = fresh_client.get_weights("mnist_mlp")
+    del weights["hidden/bias"]
+    with pytest.raises(PergradError, match=r"missing \['hidden/bias'\]"):
+        fresh_client.set_weights("mnist_mlp", weights)
+
+
+def test_set_weights_with_a_stale_expected_version_is_refused(fresh_client: GradientClient) -> None:
+    version, weights = fresh_client.get_weights("mnist_mlp")
+    fresh_client.set_weights("mnist_mlp", weights, expected_version=version)
+    with pytest.raises(PergradError, match="another update came first") as err:
+        fresh_client.set_weights("mnist_mlp", weights, expected_version=version)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_pinned_version_that_is_not_current_fails_precondition(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 2)
+    assert client.per_example_gradients("mnist_mlp", x, y, model_version=1).model_version == 1
+    with pytest.raises(PergradError, match="model_version 7 is not current") as err:
+        client.per_example_gradients("mnist_mlp", x, y, model_version=7)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize(
+    ("model", "x", "y", "code", "message"),
+    [
+        (
+            "nope",
+            np.zeros((2, 784), np.float32),
+            np.zeros(2, np.int32),
+            grpc.StatusCode.NOT_FOUND,
+            "model 'nope' not found",
+        ),
+        (
+            "mnist_mlp",
+            np.zeros((2, 780), np.float32),
+            np.zeros(2, np.int32),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "inputs: shape [2, 780]",
+        ),
+        (
+            "mnist_mlp",
+            np.zeros((2, 784), np.float32),
+            np.array([3, 10], np.int32),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "labels: class index 10 out of range [0, 10)",
+        ),
+        (
+            "mnist_mlp",
+            np.zeros((0, 784), np.float32),
+            np.zeros(0, np.int32),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "inputs: empty batch",
+        ),
+        (
+            "mnist_mlp",
+            np.zeros((600, 784), np.float32),
+            np.zeros(600, np.int32),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "batch of 600 exceeds --max-batch 512",
+        ),
+    ],
+)
+def test_bad_requests_get_a_precise_status_and_server_keeps_serving(
+    client: GradientClient, model, x, y, code, message
+) -> None:
+    with pytest.raises(PergradError) as err:
+        client.per_example_gradients(model, x, y)
+    assert err.value.code == code
+    assert message in err.value.message
+    ok = client.per_example_gradients("mnist_mlp", *_batch(client, "mnist_mlp", 1))
+    assert ok.batch_size == 1
+
+
+def test_wrong_input_dtype_on_the_wire_is_refused(server: RunningServer) -> None:
+    from pergrad.client._codec import encode_tensor
+    from pergrad.v1 import gradient_service_pb2 as pb
+    from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+
+    request = pb.GradientsRequest(
+        model="mnist_mlp",
+        inputs=encode_tensor(np.zeros((2, 784), np.float64)),
+        labels=encode_tensor(np.zeros(2, np.int32)),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GradientServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.ComputePerExampleGradients(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs: dtype float64, model expects float32" in err.value.details()
+
+
+def test_tensor_bytes_that_do_not_match_the_shape_are_refused(server: RunningServer) -> None:
+    from pergrad.v1 import gradient_service_pb2 as pb
+    from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+    from pergrad.v1 import tensor_pb2
+
+    request = pb.GradientsRequest(
+        model="mnist_mlp",
+        inputs=tensor_pb2.Tensor(
+            dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=[2, 784], content=b"\0" * 100
+        ),
+        labels=tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_INT32, shape=[2], content=b"\0" * 8),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GradientServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.ComputePerExampleGradients(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs: float32 [2, 784] needs 6272 bytes, got 100" in err.value.details()
+
+
+def test_health_reports_serving(server: RunningServer) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_gradient_service(server: RunningServer) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
+    names = [s.name for s in reply.list_services_response.service]
+    assert SERVICE_NAME in names

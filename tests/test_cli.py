@@ -1,0 +1,113 @@
+"""The `pergrad` command as a user runs it: serve in a process of its own, info, grads."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pergrad.client import GradientClient
+
+PERGRAD = [sys.executable, "-m", "pergrad.client.cli"]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[subprocess.Popen, str]]:
+    process = subprocess.Popen(
+        [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--model", "mnist_mlp"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    target = None
+    for line in process.stderr:
+        if match := re.search(r"pergrad ready on (\S+:\d+)", line):
+            target = match.group(1)
+            break
+    assert target, "server never logged its ready line"
+    drain = threading.Thread(target=process.stderr.read, daemon=True)
+    drain.start()
+    yield process, target
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=30)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*PERGRAD, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_info_describes_the_served_model(served) -> None:
+    _, target = served
+    run = _run("info", "--target", target)
+    assert run.returncode == 0, run.stderr
+    assert "mnist_mlp  version 1  101,770 parameters" in run.stdout
+    assert "var     hidden/kernel  float32 [784, 128]" in run.stdout
+
+
+def test_grads_writes_per_example_gradients_of_a_dataset(served, tmp_path: Path) -> None:
+    _, target = served
+    rng = np.random.default_rng(0)
+    x = rng.random((10, 784), dtype=np.float32)
+    y = rng.integers(0, 10, 10)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    run = _run(
+        "grads",
+        "--target",
+        target,
+        "--model",
+        "mnist_mlp",
+        "--batch-size",
+        "4",
+        "--data",
+        str(tmp_path / "data.npz"),
+        "--out",
+        str(tmp_path / "g.npz"),
+    )
+    assert run.returncode == 0, run.stderr
+    assert "wrote" in run.stdout and "10 examples, 4 gradient tensors" in run.stdout
+    written = np.load(tmp_path / "g.npz")
+    with GradientClient(target) as client:
+        direct = client.per_example_gradients("mnist_mlp", x, y)
+    np.testing.assert_allclose(
+        written["grad/hidden/kernel"], direct.gradients["hidden/kernel"], rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(written["norms"], direct.norms(), rtol=1e-5)
+    assert written["losses"].shape == (10,)
+
+
+def test_unknown_model_fails_with_the_server_message(served, tmp_path: Path) -> None:
+    _, target = served
+    np.savez(tmp_path / "d.npz", x=np.zeros((1, 784)), y=np.zeros(1, int))
+    run = _run(
+        "grads",
+        "--target",
+        target,
+        "--model",
+        "nope",
+        "--quiet",
+        "--data",
+        str(tmp_path / "d.npz"),
+        "--out",
+        str(tmp_path / "o.npz"),
+    )
+    assert run.returncode == 1
+    assert "NOT_FOUND: model 'nope' not found" in run.stderr
+
+
+def test_serve_refuses_a_bad_flag_with_exit_2() -> None:
+    run = _run("serve", "--port", "99999")
+    assert run.returncode == 2
+    assert "--port must be in [0, 65535]" in run.stderr
+
+
+def test_sigterm_drains_and_exits_zero(served) -> None:
+    process, _ = served
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
