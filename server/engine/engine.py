@@ -3,8 +3,10 @@
     engine = Engine(keras_model, loss="sparse_categorical_crossentropy")
     result = engine.per_example_gradients(x, y)   # result.gradients[name]: [B, *shape]
 
-Work runs in slices of examples so peak memory stays near one slice's gradients plus
-the result, and so a server can send slice k while computing slice k+1.
+Layers with a closed-form rule (`rules/`) get per-example gradients from one ordinary
+forward and backward pass; the rest from the vectorized route (`vectorized.py`). Work
+runs in slices of examples so that TensorFlow never holds more than `slice_bytes` of
+per-example tensors, and results are written once, straight into numpy buffers.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.client import GradientResult
+from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows, to_numpy
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss, check_labels
-from pergrad.server.engine.vectorized import vectorized_per_example
+from pergrad.server.engine.plan import make_plan
+from pergrad.server.engine.ruled import per_example_function
+from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.server.errors import InvalidArgument
 
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_SLICE_BYTES = 64 << 20
+DEFAULT_BLOCK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,17 @@ class Engine:
     Args:
         model: a built Keras 3 model with one input and one output.
         loss: a Keras loss object, name or config; the per-example loss is it unreduced.
-        slice_bytes: gradient bytes computed at once; bounds peak memory.
+        registry: per-layer rules (default: `rules.default_registry()`).
+        slice_bytes: per-example tensors TensorFlow may hold at once; bounds peak memory.
     """
 
     def __init__(
-        self, model: keras.Model, *, loss: Any = None, slice_bytes: int = DEFAULT_SLICE_BYTES
+        self,
+        model: keras.Model,
+        *,
+        loss: Any = None,
+        registry: LayerRegistry | None = None,
+        slice_bytes: int = DEFAULT_SLICE_BYTES,
     ) -> None:
         loss = loss if loss is not None else getattr(model, "loss", None)
         if loss is None:
@@ -98,16 +110,32 @@ class Engine:
         self.variables = _variable_specs(model)
         self.loss_dtype = np.dtype(model_output.dtype)
         self.num_parameters = sum(int(np.prod(v.shape)) for v in self.variables)
-        bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in self.variables)
-        self.slice_size = max(1, slice_bytes // bytes_per_example)
-        self._per_example = vectorized_per_example(model, self.loss)
+        self.plan = make_plan(model, registry or default_registry())
+        self._per_example = per_example_function(model, self.loss, self.plan)
         self._non_trainable = tuple(v.value for v in model.non_trainable_variables)
+        self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes_per_example()))
         _LOGGER.info(
-            "model %s: %d variables, %d parameters, route vectorized_map, slices of %d examples",
+            "model %s: %d variables, %d parameters, slices of %d examples; %s",
             model.name,
             len(self.variables),
             self.num_parameters,
             self.slice_size,
+            self.plan.describe(),
+        )
+
+    def _tensorflow_bytes_per_example(self) -> int:
+        """Bytes of the per-example tensors TensorFlow forms (factored ones excluded).
+
+        Traces the computation once on a batch of two zero examples, which also keeps
+        tracing out of the first request's latency.
+        """
+        x = np.zeros((2, *(d or 1 for d in self.input_spec.shape)), self.input_spec.dtype)
+        y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
+        _, grads = self._per_example(self.initial_weights(), self._non_trainable, x, y)
+        return sum(
+            int(np.prod(g.shape[1:])) * g.dtype.size
+            for g in grads.values()
+            if not isinstance(g, Outer | Scatter)
         )
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
@@ -140,34 +168,102 @@ class Engine:
             )
         check_labels(y, self.label_spec)
 
-    def iter_slices(
-        self, x: np.ndarray, y: np.ndarray, *, trainable: Sequence[tf.Tensor] | None = None
-    ) -> Iterator[SliceResult]:
-        """Results slice by slice; the batch is checked at the call, before any work."""
+    def _slices(
+        self, x: np.ndarray, y: np.ndarray, trainable: Sequence[tf.Tensor] | None
+    ) -> Iterator[tuple[int, int, np.ndarray, list[Grad]]]:
+        """(start, stop, losses, numpy gradient per variable) for each slice of the batch.
+
+        The batch is checked here, at the call, before any work.
+        """
         self.check_batch(x, y)
         weights = tuple(trainable) if trainable is not None else self.initial_weights()
-        return self._slices(x, y, weights)
+        return self._compute(x, y, weights)
 
-    def _slices(
+    def _compute(
         self, x: np.ndarray, y: np.ndarray, weights: tuple[tf.Tensor, ...]
-    ) -> Iterator[SliceResult]:
+    ) -> Iterator[tuple[int, int, np.ndarray, list[Grad]]]:
         for start in range(0, x.shape[0], self.slice_size):
             stop = min(start + self.slice_size, x.shape[0])
             losses, grads = self._per_example(
                 weights, self._non_trainable, x[start:stop], y[start:stop]
             )
-            yield SliceResult(start, stop, losses.numpy(), [g.numpy() for g in grads])
+            numpy_grads = [self._grad_or_zeros(grads, v, stop - start) for v in self.variables]
+            yield start, stop, losses.numpy(), numpy_grads
+
+    @staticmethod
+    def _grad_or_zeros(grads: dict[str, Grad], variable: VariableSpec, count: int) -> Grad:
+        """A ruled layer that the forward pass never called has zero gradients."""
+        if variable.name in grads:
+            return to_numpy(grads[variable.name])
+        return np.zeros((count, *variable.shape), variable.dtype)
+
+    def iter_slices(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        trainable: Sequence[tf.Tensor] | None = None,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ) -> Iterator[SliceResult]:
+        """Results in blocks of about `block_bytes`; each block's arrays are reused by the next."""
+        slices = self._slices(x, y, trainable)
+        bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in self.variables)
+        block = max(1, min(self.slice_size, block_bytes // bytes_per_example))
+        buffers = [np.empty((block, *v.shape), v.dtype) for v in self.variables]
+        return self._blocks(slices, block, buffers)
+
+    @staticmethod
+    def _blocks(
+        slices: Iterator[tuple[int, int, np.ndarray, list[Grad]]],
+        block: int,
+        buffers: list[np.ndarray],
+    ) -> Iterator[SliceResult]:
+        for start, stop, losses, grads in slices:
+            for lo in range(0, stop - start, block):
+                hi = min(lo + block, stop - start)
+                outs = [buffer[: hi - lo] for buffer in buffers]
+                for grad, out in zip(grads, outs, strict=True):
+                    materialize(rows(grad, slice(lo, hi)), out)
+                yield SliceResult(start + lo, start + hi, losses[lo:hi], outs)
 
     def per_example_gradients(
-        self, x: np.ndarray, y: np.ndarray, *, trainable: Sequence[tf.Tensor] | None = None
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        trainable: Sequence[tf.Tensor] | None = None,
+        out: GradientResult | None = None,
     ) -> GradientResult:
-        """Per-example losses [B] and gradients {variable: [B, *shape]} of one batch."""
-        batch = x.shape[0] if x.ndim else 0
-        losses = np.empty(batch, dtype=self.loss_dtype)
-        grads = {v.name: np.empty((batch, *v.shape), dtype=v.dtype) for v in self.variables}
-        outputs = list(grads.values())
-        for part in self.iter_slices(x, y, trainable=trainable):
-            losses[part.start : part.stop] = part.losses
-            for out, grad in zip(outputs, part.gradients, strict=True):
-                out[part.start : part.stop] = grad
-        return GradientResult(losses=losses, gradients=grads, model=self.model.name)
+        """Per-example losses [B] and gradients {variable: [B, *shape]} of one batch.
+
+        `out`, a previous result of the same batch size, is overwritten and returned:
+        refilling warm buffers is about twice as fast as filling fresh ones.
+        """
+        slices = self._slices(x, y, trainable)
+        result = out if out is not None else self._allocate(x.shape[0])
+        self._check_out(result, x.shape[0])
+        outputs = [result.gradients[v.name] for v in self.variables]
+        for start, stop, losses, grads in slices:
+            result.losses[start:stop] = losses
+            for grad, output in zip(grads, outputs, strict=True):
+                materialize(grad, output[start:stop])
+        return result
+
+    def _allocate(self, batch: int) -> GradientResult:
+        return GradientResult(
+            losses=np.empty(batch, self.loss_dtype),
+            gradients={v.name: np.empty((batch, *v.shape), v.dtype) for v in self.variables},
+            model=self.model.name,
+        )
+
+    def _check_out(self, result: GradientResult, batch: int) -> None:
+        for v in self.variables:
+            array = result.gradients.get(v.name)
+            if (
+                array is None
+                or array.shape != (batch, *v.shape)
+                or array.dtype != v.dtype
+                or not array.flags.c_contiguous
+                or not array.flags.writeable
+            ):
+                raise ValueError(f"out= does not fit a batch of {batch}: see {v.name!r}")

@@ -26,7 +26,8 @@ class References:
                 tape.watch(trainable)
                 losses = forward_loss(model, loss, trainable, non_trainable, x, y)
                 mean = tf.reduce_mean(losses)
-            return losses, tape.gradient(mean, trainable)
+            grads = tape.gradient(mean, trainable)
+            return losses, [tf.convert_to_tensor(g) for g in grads]
 
         self._gradients = gradients
         self._trainable = [v.value for v in model.trainable_variables]

@@ -61,7 +61,66 @@ def mnist_cnn() -> keras.Model:
     return keras.Model(inputs, _dense(seeds, 10, "logits")(h), name="mnist_cnn")
 
 
+def wide_mlp() -> keras.Model:
+    """[B, 3072] float32 -> Dense 512 relu -> Dense 512 relu -> Dense 10 logits (P = 1.84M)."""
+    seeds = _Seeds(3000)
+    inputs = keras.Input((3072,), name="pixels")
+    h = _dense(seeds, 512, "hidden1", "relu")(inputs)
+    h = _dense(seeds, 512, "hidden2", "relu")(h)
+    return keras.Model(inputs, _dense(seeds, 10, "logits")(h), name="wide_mlp")
+
+
+@keras.saving.register_keras_serializable(package="pergrad")
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position to a [B, T, D] sequence."""
+
+    def __init__(self, initializer: keras.initializers.Initializer | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.initializer = keras.initializers.get(initializer or "glorot_uniform")
+
+    def build(self, input_shape: tuple[int | None, ...]) -> None:
+        self.positions = self.add_weight(
+            shape=tuple(input_shape[1:]), initializer=self.initializer, name="positions"
+        )
+
+    def call(self, inputs):
+        return inputs + self.positions[None]
+
+    def get_config(self) -> dict:
+        return {
+            **super().get_config(),
+            "initializer": keras.initializers.serialize(self.initializer),
+        }
+
+
+def transformer_block() -> keras.Model:
+    """Token ids [B, 32] (vocab 1000) -> embeddings + positions -> one pre-LN block -> mean
+    over tokens -> Dense 10 logits (P = 100,170)."""
+    seeds = _Seeds(4000)
+    tokens = keras.Input((32,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(
+        1000,
+        64,
+        embeddings_initializer=keras.initializers.RandomNormal(0.0, 0.02, seed=4000),
+        name="embedding",
+    )(tokens)
+    h = PositionEmbedding(seeds.glorot(), name="positions")(h)
+    a = keras.layers.LayerNormalization(name="ln1")(h)
+    a = keras.layers.MultiHeadAttention(4, 16, kernel_initializer=seeds.glorot(), name="attention")(
+        a, a
+    )
+    h = keras.layers.Add(name="residual1")([h, a])
+    f = keras.layers.LayerNormalization(name="ln2")(h)
+    f = _dense(seeds, 128, "mlp_up", "gelu")(f)
+    f = _dense(seeds, 64, "mlp_down")(f)
+    h = keras.layers.Add(name="residual2")([h, f])
+    h = keras.layers.GlobalAveragePooling1D(name="mean_tokens")(h)
+    return keras.Model(tokens, _dense(seeds, 10, "logits")(h), name="transformer_block")
+
+
 BUILTIN_MODELS: dict[str, Callable[[], keras.Model]] = {
     "mnist_mlp": mnist_mlp,
     "mnist_cnn": mnist_cnn,
+    "wide_mlp": wide_mlp,
+    "transformer_block": transformer_block,
 }

@@ -8,6 +8,7 @@ import pytest
 
 from pergrad.server.engine import Engine
 from pergrad.server.engine.reference import References
+from pergrad.server.engine.rules import LayerRegistry
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests.helpers import assert_close, batch_for, tabular_model
@@ -47,14 +48,38 @@ def test_mean_of_per_example_gradients_is_batch_gradient(name: str) -> None:
     assert_close(means, dict(zip(means, mean_grads, strict=True)))
 
 
-def test_slices_give_the_same_result_as_one_pass() -> None:
-    whole = _engine("mnist_mlp")
-    sliced = Engine(whole.model, loss=LOSS, slice_bytes=3 * 101_770 * 4)
-    assert sliced.slice_size == 3
+@pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn"])
+def test_slices_give_the_same_result_as_one_pass(name: str) -> None:
+    whole = _engine(name)
+    sliced = Engine(whole.model, loss=LOSS, slice_bytes=1)
+    assert sliced.slice_size == 1
     x, y = _batch(whole, 10)
     assert_close(
         sliced.per_example_gradients(x, y).gradients, whole.per_example_gradients(x, y).gradients
     )
+
+
+def test_blocks_cover_the_batch_in_order() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine, 10)
+    whole = engine.per_example_gradients(x, y)
+    bounds = []
+    for block in engine.iter_slices(x, y, block_bytes=3 * 101_770 * 4):
+        bounds.append((block.start, block.stop))
+        blocks = dict(zip(whole.gradients, block.gradients, strict=True))
+        assert_close(blocks, {k: v[block.start : block.stop] for k, v in whole.gradients.items()})
+    assert bounds == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def test_out_buffers_are_refilled_in_place() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine, 6)
+    first = engine.per_example_gradients(x, y)
+    kernel = first.gradients["hidden/kernel"]
+    x2, y2 = _batch(engine, 6, seed=5)
+    second = engine.per_example_gradients(x2, y2, out=first)
+    assert second is first and second.gradients["hidden/kernel"] is kernel
+    assert_close(second.gradients, engine.per_example_gradients(x2, y2).gradients)
 
 
 def test_given_weights_are_used_instead_of_the_models() -> None:
@@ -102,3 +127,14 @@ def test_model_without_loss_is_refused() -> None:
     inputs = keras.Input((3,))
     with pytest.raises(ValueError, match="no compiled loss"):
         Engine(keras.Model(inputs, keras.layers.Dense(2)(inputs)))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_vectorized_route_alone_matches_batch_size_one_loop(name: str) -> None:
+    model = _engine(name).model
+    engine = Engine(model, loss=model.loss if name == "tabular" else LOSS, registry=LayerRegistry())
+    assert len(engine.plan.fallback) == len(model.trainable_variables)
+    x, y = _batch(engine, 6)
+    result = engine.per_example_gradients(x, y)
+    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))

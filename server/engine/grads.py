@@ -1,0 +1,103 @@
+"""Per-example gradients in factored form, and their materialization into numpy buffers.
+
+A rule may return a per-example gradient as a dense tensor [B, *shape], or factored:
+- `Outer(a, g)`: grad_b = sum_t a[b, t] (x) g[b, t]  (a: [B, T, I], g: [B, T, J]), reshaped
+  to the variable's shape: Dense kernels. Never formed in TensorFlow; numpy writes it
+  once, straight into the caller's buffer.
+- `Scatter(ids, g)`: grad_b[v] = sum_{t: ids[b, t] = v} g[b, t]  (ids: [B, T], g: [B, T, D]):
+  embedding tables.
+Factors keep the B x P tensor out of TensorFlow's allocator, and (for reductions) let
+norms be computed without forming it at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+
+class Outer(NamedTuple):
+    a: tf.Tensor
+    g: tf.Tensor
+
+
+class Scatter(NamedTuple):
+    ids: tf.Tensor
+    g: tf.Tensor
+
+
+Grad = tf.Tensor | Outer | Scatter
+
+
+def as_sequence(t: tf.Tensor) -> tf.Tensor:
+    """[B, ..., D] as [B, T, D]: every axis between the batch and the last is a time step."""
+    shape = tf.shape(t)
+    return tf.reshape(t, tf.stack([shape[0], -1, shape[-1]]))
+
+
+def combine(grads: Sequence[Grad]) -> Grad:
+    """The gradient of a layer called several times: the sum over its calls."""
+    if len(grads) == 1:
+        return grads[0]
+    if all(isinstance(g, Outer) for g in grads):
+        return Outer(tf.concat([g.a for g in grads], 1), tf.concat([g.g for g in grads], 1))
+    if all(isinstance(g, Scatter) for g in grads):
+        return Scatter(tf.concat([g.ids for g in grads], 1), tf.concat([g.g for g in grads], 1))
+    return tf.add_n(list(grads))
+
+
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pergrad-fill")
+
+
+def _parts(batch: int, count: int) -> list[slice]:
+    bounds = np.linspace(0, batch, count + 1).astype(int)
+    return [slice(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
+def _fill_outer(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
+    flat = out.reshape(out.shape[0], a.shape[-1], g.shape[-1])
+    if a.shape[1] == 1:
+        np.multiply(a[:, 0, :, None], g[:, 0, None, :], out=flat)
+    else:
+        np.matmul(a.transpose(0, 2, 1), g, out=flat)
+
+
+def _fill_scatter(ids: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
+    out.fill(0)
+    rows = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)
+    np.add.at(out, (rows.ravel(), ids.ravel()), g.reshape(-1, g.shape[-1]))
+
+
+def to_numpy(grad: Grad) -> Grad:
+    """The same gradient with numpy arrays in place of tensors (zero-copy on the CPU)."""
+    if isinstance(grad, Outer | Scatter):
+        return type(grad)(*(t.numpy() for t in grad))
+    return grad.numpy()
+
+
+def rows(grad: Grad, part: slice) -> Grad:
+    """The examples `part` of a numpy gradient."""
+    if isinstance(grad, Outer | Scatter):
+        return type(grad)(*(t[part] for t in grad))
+    return grad[part]
+
+
+def materialize(grad: Grad, out: np.ndarray) -> None:
+    """Write a numpy gradient (see `to_numpy`) into `out` [B, *shape], on both cores."""
+    if isinstance(grad, Outer):
+        work = [(_fill_outer, grad.a[s], grad.g[s], out[s]) for s in _parts(out.shape[0], 4)]
+    elif isinstance(grad, Scatter):
+        work = [(_fill_scatter, grad.ids[s], grad.g[s], out[s]) for s in _parts(out.shape[0], 2)]
+    else:
+        work = [(np.copyto, out[s], grad[s]) for s in _parts(out.shape[0], 2)]
+    if out.nbytes < 1 << 20:
+        for fn, *args in work:
+            fn(*args)
+        return
+    for future in [_POOL.submit(fn, *args) for fn, *args in work]:
+        future.result()

@@ -1,0 +1,42 @@
+"""Which variables a closed-form rule covers, and which fall back to the vectorized route."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+
+from pergrad.server.engine.rules import LayerRegistry, Rule
+
+
+@dataclass(frozen=True)
+class Plan:
+    ruled: tuple[tuple[keras.layers.Layer, Rule], ...]
+    fallback: tuple[int, ...]  # positions in model.trainable_variables
+    reasons: tuple[tuple[str, str], ...]  # (layer name, why it falls back)
+
+    def describe(self) -> str:
+        ruled = ", ".join(f"{layer.name}({type(layer).__name__})" for layer, _ in self.ruled)
+        fallback = ", ".join(f"{name} ({why})" for name, why in self.reasons)
+        return f"closed-form rules: {ruled or 'none'}; vectorized fallback: {fallback or 'none'}"
+
+
+def _own_trainable(layer: keras.layers.Layer) -> list[keras.Variable]:
+    inner = {id(v) for sub in layer._flatten_layers(include_self=False) for v in sub.weights}
+    return [v for v in layer.trainable_variables if id(v) not in inner]
+
+
+def make_plan(model: keras.Model, registry: LayerRegistry) -> Plan:
+    ruled, reasons, covered = [], [], set()
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        own = _own_trainable(layer)
+        if not own:
+            continue
+        rule, why = registry.lookup(layer)
+        if rule is None:
+            reasons.append((layer.name, why))
+            continue
+        ruled.append((layer, rule))
+        covered |= {id(v) for v in own}
+    fallback = tuple(i for i, v in enumerate(model.trainable_variables) if id(v) not in covered)
+    return Plan(tuple(ruled), fallback, tuple(reasons))

@@ -1,0 +1,67 @@
+"""The fast route: one forward and one backward pass, then closed-form rules per layer.
+
+The backward pass asks only for dL/dz at each ruled layer's pre-activation output (the
+loss is the sum over examples, so row b of dL/dz is example b's own); each layer's rule
+turns (inputs, dL/dz) into per-example gradients. Variables no rule covers get theirs
+from the vectorized route in the same `tf.function`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from pergrad.server.engine.capture import capture
+from pergrad.server.engine.grads import Grad, combine
+from pergrad.server.engine.losses import PerExampleLoss
+from pergrad.server.engine.plan import Plan
+from pergrad.server.engine.vectorized import forward_loss, vectorized_gradients
+
+PerExampleFn = Callable[
+    [Sequence[tf.Tensor], Sequence[tf.Tensor], tf.Tensor, tf.Tensor],
+    tuple[tf.Tensor, dict[str, Grad]],
+]
+
+
+def _ruled_pass(
+    model: keras.Model, loss: PerExampleLoss, plan: Plan, trainable, non_trainable, x, y
+) -> tuple[tf.Tensor, dict[str, Grad]]:
+    rules = {id(layer): rule for layer, rule in plan.ruled}
+    with tf.GradientTape() as tape, capture([layer for layer, _ in plan.ruled], tape) as calls:
+        losses = forward_loss(model, loss, trainable, non_trainable, x, y)
+        total = tf.reduce_sum(losses)
+    output_grads = tape.gradient(
+        total, [c.outputs for c in calls], unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
+    per_variable: dict[str, list[Grad]] = defaultdict(list)
+    for call, output_grad in zip(calls, output_grads, strict=True):
+        rule = rules[id(call.layer)]
+        for path, grad in rule.per_example(call.layer, call.inputs, output_grad).items():
+            per_variable[path].append(grad)
+    return losses, {path: combine(grads) for path, grads in per_variable.items()}
+
+
+def per_example_function(
+    model: keras.Model, loss: PerExampleLoss, plan: Plan, *, jit_compile: bool = False
+) -> PerExampleFn:
+    """(trainable, non_trainable, x, y) -> (losses [B], {variable path: Grad})."""
+    paths = [v.path for v in model.trainable_variables]
+
+    @tf.function(reduce_retracing=True, jit_compile=jit_compile)
+    def per_example(trainable, non_trainable, x, y):
+        grads: dict[str, Grad] = {}
+        losses = None
+        if plan.ruled:
+            losses, grads = _ruled_pass(model, loss, plan, trainable, non_trainable, x, y)
+        if plan.fallback:
+            fallback_losses, fallback = vectorized_gradients(
+                model, loss, trainable, non_trainable, x, y, plan.fallback
+            )
+            losses = fallback_losses if losses is None else losses
+            grads |= {paths[i]: g for i, g in zip(plan.fallback, fallback, strict=True)}
+        return losses, grads
+
+    return per_example

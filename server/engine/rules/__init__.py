@@ -1,0 +1,81 @@
+"""Closed-form per-example gradient rules, one module per layer family.
+
+A rule turns what one ordinary forward and backward pass already has, the layer's input
+`inputs` and the gradient `output_grad` of the summed loss with respect to the layer's
+output before its activation, into each example's gradient for each of the layer's
+variables. With the batch first everywhere:
+
+    rule(layer, inputs, output_grad) -> {variable.path: Grad}
+
+`Grad` is a dense [B, *variable.shape] tensor or a factored form (`pergrad.server.engine.
+grads`). `applies(layer)` returns None when the rule covers this layer's configuration,
+else the reason it does not (the layer's variables then use the generic vectorized route).
+Adding a layer type is adding one module and one line in `default_registry`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from pergrad.server.engine.grads import Grad
+
+RuleFn = Callable[[Any, tf.Tensor, tf.Tensor], dict[str, Grad]]
+
+
+def always(layer: keras.layers.Layer) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Rule:
+    per_example: RuleFn
+    applies: Callable[[keras.layers.Layer], str | None] = always
+
+
+class LayerRegistry:
+    """Layer class -> rule; exact classes only, since a subclass may change the math."""
+
+    def __init__(self) -> None:
+        self._rules: dict[type, Rule] = {}
+
+    def register(self, layer_class: type, rule: Rule) -> None:
+        self._rules[layer_class] = rule
+
+    def lookup(self, layer: keras.layers.Layer) -> tuple[Rule | None, str]:
+        """(rule, "") when one covers `layer`, else (None, the reason)."""
+        rule = self._rules.get(type(layer))
+        if rule is None:
+            return None, f"no rule for {type(layer).__name__}"
+        reason = rule.applies(layer)
+        return (None, reason) if reason else (rule, "")
+
+
+def default_registry() -> LayerRegistry:
+    from pergrad.server.engine.rules import (
+        batch_norm,
+        conv,
+        dense,
+        depthwise_conv,
+        einsum_dense,
+        embedding,
+        layer_norm,
+        position_embedding,
+    )
+    from pergrad.server.models.builtin import PositionEmbedding
+
+    registry = LayerRegistry()
+    registry.register(keras.layers.Dense, dense.RULE)
+    registry.register(keras.layers.EinsumDense, einsum_dense.RULE)
+    registry.register(keras.layers.Conv1D, conv.RULE)
+    registry.register(keras.layers.Conv2D, conv.RULE)
+    registry.register(keras.layers.DepthwiseConv2D, depthwise_conv.RULE)
+    registry.register(keras.layers.Embedding, embedding.RULE)
+    registry.register(keras.layers.LayerNormalization, layer_norm.RULE)
+    registry.register(keras.layers.BatchNormalization, batch_norm.RULE)
+    registry.register(PositionEmbedding, position_embedding.RULE)
+    return registry

@@ -1,0 +1,64 @@
+"""Conv1D and Conv2D (channels last; strides, same/valid/causal padding, dilation, groups).
+
+Per example, with the input unfolded into patches p_b [P, k*k*C_in/G] (the receptive field
+of each of the P output positions): dW_b = sum over positions of p_b (x) g_b, per group;
+db_b = sum over positions of g_b. (Rochette et al. 2019; Opacus `conv.py`.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from pergrad.server.engine.grads import Grad
+from pergrad.server.engine.rules import Rule
+
+
+def applies_to_conv(layer: keras.layers.Layer) -> str | None:
+    if layer.data_format != "channels_last":
+        return f"{type(layer).__name__} with data_format={layer.data_format}"
+    if getattr(layer, "lora_enabled", False):
+        return f"LoRA-enabled {type(layer).__name__}"
+    return None
+
+
+def patches_2d(layer: keras.layers.Layer, inputs: tf.Tensor) -> tf.Tensor:
+    """[B, H_out, W_out, kh*kw*C] receptive fields, laid out like the kernel's first axes."""
+    sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
+    padding = layer.padding.upper()
+    if len(sizes) == 1:
+        if padding == "CAUSAL":
+            inputs = tf.pad(inputs, [[0, 0], [rates[0] * (sizes[0] - 1), 0], [0, 0]])
+            padding = "VALID"
+        inputs, sizes, strides, rates = inputs[:, None], (1, *sizes), (1, *strides), (1, *rates)
+    return tf.image.extract_patches(
+        inputs,
+        sizes=[1, *sizes, 1],
+        strides=[1, *strides, 1],
+        rates=[1, *rates, 1],
+        padding=padding,
+    )
+
+
+def per_example(
+    layer: keras.layers.Layer, inputs: tf.Tensor, output_grad: tf.Tensor
+) -> dict[str, Grad]:
+    groups = layer.groups
+    *window, channels_in, channels_out = layer.kernel.shape
+    batch = tf.shape(inputs)[0]
+    patches = tf.reshape(
+        patches_2d(layer, inputs), [batch, -1, math.prod(window), groups, channels_in]
+    )
+    g = tf.reshape(output_grad, [batch, -1, groups, channels_out // groups])
+    kernel = tf.einsum("bpkgc,bpgo->bkcgo", patches, g)
+    grads: dict[str, Grad] = {layer.kernel.path: tf.reshape(kernel, [-1, *layer.kernel.shape])}
+    if layer.use_bias:
+        grads[layer.bias.path] = tf.reduce_sum(
+            tf.reshape(output_grad, [batch, -1, channels_out]), 1
+        )
+    return grads
+
+
+RULE = Rule(per_example, applies_to_conv)

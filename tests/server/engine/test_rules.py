@@ -1,0 +1,217 @@
+"""Every closed-form rule against the batch-size-1 loop, one layer configuration per case.
+
+Each case also asserts that the rule, not the vectorized fallback, produced the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import pytest
+
+from pergrad.server.engine import Engine
+from pergrad.server.engine.reference import References
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS, PositionEmbedding
+from tests.helpers import assert_close
+
+L = keras.layers
+
+
+def _init(seed: int) -> keras.initializers.Initializer:
+    return keras.initializers.RandomNormal(0.0, 0.3, seed=seed)
+
+
+def _head(h, classes: int = 4):
+    if len(h.shape) > 2:
+        h = L.Flatten()(h)
+    return L.Dense(classes, kernel_initializer=_init(99), name="head")(h)
+
+
+def _model(input_shape, body: Callable, dtype: str = "float32") -> keras.Model:
+    inputs = keras.Input(input_shape, dtype=dtype)
+    return keras.Model(inputs, _head(body(inputs)))
+
+
+CASES: dict[str, Callable[[], keras.Model]] = {
+    "dense": lambda: _model((6,), lambda x: L.Dense(5, "tanh", kernel_initializer=_init(1))(x)),
+    "dense_on_sequence": lambda: _model(
+        (4, 6), lambda x: L.Dense(5, "relu", kernel_initializer=_init(1))(x)
+    ),
+    "dense_no_bias": lambda: _model(
+        (6,), lambda x: L.Dense(5, use_bias=False, kernel_initializer=_init(1))(x)
+    ),
+    "einsum_dense": lambda: _model(
+        (4, 6),
+        lambda x: L.EinsumDense(
+            "abc,cde->abde", (4, 3, 2), bias_axes="de", kernel_initializer=_init(2)
+        )(x),
+    ),
+    "einsum_dense_ellipsis": lambda: _model(
+        (4, 6),
+        lambda x: L.EinsumDense(
+            "...b,bc->...c", 3, bias_axes="c", kernel_initializer=_init(2), activation="gelu"
+        )(x),
+    ),
+    "conv2d_same_strided": lambda: _model(
+        (9, 9, 2),
+        lambda x: L.Conv2D(
+            3, 3, strides=2, padding="same", activation="relu", kernel_initializer=_init(3)
+        )(x),
+    ),
+    "conv2d_dilated_grouped": lambda: _model(
+        (10, 10, 4),
+        lambda x: L.Conv2D(6, 3, dilation_rate=2, groups=2, kernel_initializer=_init(3))(x),
+    ),
+    "conv2d_rectangular_valid": lambda: _model(
+        (8, 7, 2), lambda x: L.Conv2D(3, (3, 2), strides=(1, 2), kernel_initializer=_init(3))(x)
+    ),
+    "conv1d_causal_dilated": lambda: _model(
+        (12, 3),
+        lambda x: L.Conv1D(4, 3, padding="causal", dilation_rate=2, kernel_initializer=_init(4))(x),
+    ),
+    "conv1d_same_strided_grouped": lambda: _model(
+        (11, 4),
+        lambda x: L.Conv1D(4, 3, strides=2, padding="same", groups=2, kernel_initializer=_init(4))(
+            x
+        ),
+    ),
+    "depthwise_conv2d": lambda: _model(
+        (8, 8, 3),
+        lambda x: L.DepthwiseConv2D(
+            3, depth_multiplier=2, padding="same", depthwise_initializer=_init(5)
+        )(x),
+    ),
+    "embedding": lambda: _model(
+        (7,), lambda x: L.Embedding(20, 4, embeddings_initializer=_init(6))(x), dtype="int32"
+    ),
+    "layer_norm": lambda: _model(
+        (4, 6),
+        lambda x: L.LayerNormalization(gamma_initializer=_init(7), beta_initializer=_init(8))(
+            L.Dense(6)(x)
+        ),
+    ),
+    "batch_norm_inference": lambda: _model(
+        (5, 5, 3), lambda x: _batch_norm()(L.Conv2D(3, 2, kernel_initializer=_init(3))(x))
+    ),
+    "layers_without_variables": lambda: _model(
+        (8, 8, 2),
+        lambda x: L.Dropout(0.5)(
+            L.GlobalAveragePooling2D()(
+                L.AveragePooling2D(2)(L.ReLU()(L.Conv2D(3, 3, kernel_initializer=_init(3))(x)))
+            )
+        ),
+    ),
+    "shared_dense_called_twice": lambda: _shared_dense(),
+    "position_embedding": lambda: _model((5, 3), lambda x: PositionEmbedding(_init(9))(x)),
+}
+
+
+def _batch_norm() -> keras.layers.BatchNormalization:
+    """Non-trivial moving statistics, so the rule must use them."""
+    layer = L.BatchNormalization(
+        moving_mean_initializer=_init(10),
+        moving_variance_initializer="ones",
+        gamma_initializer=_init(11),
+        beta_initializer=_init(12),
+    )
+    return layer
+
+
+def _shared_dense() -> keras.Model:
+    inputs = keras.Input((6,))
+    shared = L.Dense(6, "tanh", kernel_initializer=_init(1))
+    return keras.Model(inputs, _head(shared(shared(inputs))))
+
+
+def _inputs(model: keras.Model, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (batch, *model.inputs[0].shape[1:])
+    if model.inputs[0].dtype == "int32":
+        x = rng.integers(0, 20, size=shape).astype(np.int32)
+    else:
+        x = rng.standard_normal(shape).astype(np.float32)
+    return x, rng.integers(0, 4, size=batch).astype(np.int32)
+
+
+def _check_against_loop(engine: Engine, batch: int = 5) -> None:
+    x, y = _inputs(engine.model, batch)
+    result = engine.per_example_gradients(x, y)
+    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close({"losses": result.losses}, {"losses": losses})
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rule_matches_batch_size_one_loop(case: str) -> None:
+    engine = Engine(CASES[case](), loss=LOSS)
+    assert engine.plan.fallback == (), engine.plan.describe()
+    _check_against_loop(engine)
+
+
+@pytest.mark.parametrize("name", ["transformer_block", "wide_mlp"])
+def test_builtin_model_matches_batch_size_one_loop(name: str) -> None:
+    engine = Engine(BUILTIN_MODELS[name](), loss=LOSS)
+    assert engine.plan.fallback == ()
+    x, y = _inputs(engine.model, 3)
+    if name == "transformer_block":
+        x = np.random.default_rng(1).integers(0, 1000, size=(3, 32)).astype(np.int32)
+    result = engine.per_example_gradients(x, y)
+    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+class Scale(L.Layer):
+    """A layer no rule knows: its variable must take the vectorized route."""
+
+    def build(self, input_shape) -> None:
+        self.scale = self.add_weight(shape=input_shape[-1:], initializer=_init(13), name="scale")
+
+    def call(self, inputs):
+        return inputs * self.scale
+
+
+def test_model_mixing_ruled_and_unruled_layers() -> None:
+    inputs = keras.Input((6,))
+    h = L.Dense(5, "relu", kernel_initializer=_init(1), name="ruled")(inputs)
+    h = Scale(name="unruled")(h)
+    model = keras.Model(inputs, _head(h))
+    engine = Engine(model, loss=LOSS)
+    assert [model.trainable_variables[i].path for i in engine.plan.fallback] == ["unruled/scale"]
+    assert "vectorized fallback: unruled (no rule for Scale)" in engine.plan.describe()
+    _check_against_loop(engine)
+
+
+def test_conv1d_text_model() -> None:
+    tokens = keras.Input((16,), dtype="int32")
+    h = L.Embedding(20, 8, embeddings_initializer=_init(6))(tokens)
+    h = L.Conv1D(6, 3, padding="same", activation="relu", kernel_initializer=_init(4))(h)
+    h = L.GlobalMaxPooling1D()(h)
+    engine = Engine(keras.Model(tokens, _head(h)), loss=LOSS)
+    assert engine.plan.fallback == ()
+    _check_against_loop(engine, batch=7)
+
+
+def test_nested_sequential_inside_functional() -> None:
+    block = keras.Sequential(
+        [
+            L.Conv2D(3, 3, kernel_initializer=_init(3)),
+            L.LayerNormalization(),
+            L.Flatten(),
+            L.Dense(4, "relu", kernel_initializer=_init(1)),
+        ]
+    )
+    inputs = keras.Input((6, 6, 1))
+    engine = Engine(keras.Model(inputs, _head(block(inputs))), loss=LOSS)
+    assert engine.plan.fallback == ()
+    _check_against_loop(engine)
+
+
+def test_capturing_leaves_the_model_unchanged() -> None:
+    model = CASES["dense"]()
+    x, _ = _inputs(model, 3)
+    before = np.asarray(model(x))
+    Engine(model, loss=LOSS)
+    assert "call" not in vars(model.layers[1])
+    np.testing.assert_array_equal(np.asarray(model(x)), before)
