@@ -24,15 +24,30 @@ def applies_to_conv(layer: keras.layers.Layer) -> str | None:
     return None
 
 
+# Unfolding by convolution with an identity filter costs about N*K*K multiply-adds at
+# ~55 GMAC/s here, `tf.image.extract_patches` about 3.5 ns per output element (N*K); for
+# mnist_cnn's conv1 (K=64) 3.6 ms vs 18 ms, for its conv2 (K=256) 7.8 ms vs 4.4 ms.
+_IDENTITY_FILTER_MAX_K = 192
+
+
 def patches_2d(layer: keras.layers.Layer, inputs: tf.Tensor) -> tf.Tensor:
     """[B, H_out, W_out, kh*kw*C] receptive fields, laid out like the kernel's first axes."""
-    sizes, strides, rates = layer.kernel_size, layer.strides, layer.dilation_rate
+    sizes, strides, rates = (
+        tuple(layer.kernel_size),
+        tuple(layer.strides),
+        tuple(layer.dilation_rate),
+    )
     padding = layer.padding.upper()
     if len(sizes) == 1:
         if padding == "CAUSAL":
             inputs = tf.pad(inputs, [[0, 0], [rates[0] * (sizes[0] - 1), 0], [0, 0]])
             padding = "VALID"
         inputs, sizes, strides, rates = inputs[:, None], (1, *sizes), (1, *strides), (1, *rates)
+    channels = inputs.shape[-1]
+    k = sizes[0] * sizes[1] * channels
+    if k <= _IDENTITY_FILTER_MAX_K:
+        identity = tf.reshape(tf.eye(k, dtype=inputs.dtype), [*sizes, channels, k])
+        return tf.nn.conv2d(inputs, identity, strides, padding, dilations=rates)
     return tf.image.extract_patches(
         inputs,
         sizes=[1, *sizes, 1],
@@ -48,11 +63,16 @@ def per_example(
     groups = layer.groups
     *window, channels_in, channels_out = layer.kernel.shape
     batch = tf.shape(inputs)[0]
-    patches = tf.reshape(
-        patches_2d(layer, inputs), [batch, -1, math.prod(window), groups, channels_in]
-    )
-    g = tf.reshape(output_grad, [batch, -1, groups, channels_out // groups])
-    kernel = tf.einsum("bpkgc,bpgo->bkcgo", patches, g)
+    patches = patches_2d(layer, inputs)
+    if groups == 1:
+        patches = tf.reshape(patches, [batch, -1, math.prod(window) * channels_in])
+        kernel = tf.einsum(
+            "bpk,bpo->bko", patches, tf.reshape(output_grad, [batch, -1, channels_out])
+        )
+    else:
+        patches = tf.reshape(patches, [batch, -1, math.prod(window), groups, channels_in])
+        g = tf.reshape(output_grad, [batch, -1, groups, channels_out // groups])
+        kernel = tf.einsum("bpkgc,bpgo->bkcgo", patches, g)
     grads: dict[str, Grad] = {layer.kernel.path: tf.reshape(kernel, [-1, *layer.kernel.shape])}
     if layer.use_bias:
         grads[layer.bias.path] = tf.reduce_sum(

@@ -1,0 +1,58 @@
+"""Shared benchmark plumbing: interleaved timing with medians, peak memory in a child process."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+SLOW_S = 5.0
+
+
+def interleaved_medians(
+    methods: dict[str, Callable[[], object]], *, repeats: int
+) -> dict[str, float]:
+    """Median seconds per call of each method, the methods taking turns in every round.
+
+    Each method runs once untimed first (tracing, allocation). A method whose timed call
+    takes longer than SLOW_S is timed only once, to keep the run short.
+    """
+    for fn in methods.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            if times[name] and times[name][0] > SLOW_S:
+                continue
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_child(script: Path, args: Sequence[str], *, timeout_s: float = 600) -> dict:
+    """Run `script --child ARGS` in a fresh interpreter; it prints one JSON line last."""
+    run = subprocess.run(
+        [sys.executable, str(script), "--child", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"child {args} failed: {run.stderr[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
