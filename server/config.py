@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
+
 
 class ConfigError(ValueError):
     """A setting the server cannot start with; the message names the flag."""
@@ -25,6 +27,7 @@ class Config:
     chunk_bytes: int = 1 << 20
     workers: int = 8
     grace_s: float = 10.0
+    jit_compile: str = "auto"
     log_level: str = "INFO"
 
     def validate(self) -> Config:
@@ -38,6 +41,10 @@ class Config:
         ]:
             if value < 1:
                 raise ConfigError(f"{flag} must be positive, got {value}")
+        if self.jit_compile not in JIT_CHOICES:
+            raise ConfigError(
+                f"--jit-compile must be one of {sorted(JIT_CHOICES)}, got {self.jit_compile!r}"
+            )
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
         if self.model_dir is not None and not self.model_dir.is_dir():
@@ -84,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("GRACE", d.grace_s),
         help="seconds to drain in-flight calls on SIGTERM",
     )
+    parser.add_argument(
+        "--jit-compile",
+        default=_env("JIT_COMPILE", d.jit_compile),
+        help="XLA: auto (measured per model), on or off",
+    )
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
 
 
@@ -110,6 +122,7 @@ def from_args(args: argparse.Namespace) -> Config:
         chunk_bytes=_number(args, "chunk_bytes", int),
         workers=_number(args, "workers", int),
         grace_s=_number(args, "grace_s", float),
+        jit_compile=str(args.jit_compile),
         log_level=str(args.log_level).upper(),
     ).validate()
 

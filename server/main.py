@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pergrad.server.config import Config, ConfigError, parse
+from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.keras_file import ModelLoadError
 from pergrad.server.models.registry import ModelRegistry, load_model
@@ -51,7 +51,13 @@ class RunningServer:
 def build_registry(config: Config) -> ModelRegistry:
     specs = config.models or tuple(BUILTIN_MODELS)
     return ModelRegistry(
-        load_model(spec, model_dir=config.model_dir, loss=config.loss) for spec in specs
+        load_model(
+            spec,
+            model_dir=config.model_dir,
+            loss=config.loss,
+            jit_compile=JIT_CHOICES[config.jit_compile],
+        )
+        for spec in specs
     )
 
 

@@ -25,7 +25,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model_dir: Path, *models: str) -> Config:
-    return Config(host="127.0.0.1", port=0, models=models, model_dir=model_dir, max_batch=512)
+    return Config(
+        host="127.0.0.1",
+        port=0,
+        models=models,
+        model_dir=model_dir,
+        max_batch=512,
+        jit_compile="off",
+    )
 
 
 @pytest.fixture(scope="session")

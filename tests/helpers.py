@@ -19,11 +19,11 @@ def assert_close(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.nda
     """Every tensor within RELATIVE_TOLERANCE of its reference's scale; lists all misses.
 
     A tensor whose true value is zero holds only rounding noise (attention's key bias:
-    softmax ignores a shift shared by all keys), so no scale is taken below 1e-3 of the
+    softmax ignores a shift shared by all keys), so no scale is taken below 1e-2 of the
     largest reference entry of all the tensors compared.
     """
     assert actual.keys() == expected.keys()
-    floor = 1e-3 * max(float(np.max(np.abs(want))) for want in expected.values())
+    floor = 1e-2 * max(float(np.max(np.abs(want))) for want in expected.values())
     misses = []
     for name, want in expected.items():
         got = actual[name]

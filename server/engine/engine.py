@@ -21,10 +21,10 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.client import GradientResult
-from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows, to_numpy
+from pergrad.server.engine.compiled import CompiledPass, JitCompile
+from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss, check_labels
 from pergrad.server.engine.plan import make_plan
-from pergrad.server.engine.ruled import per_example_function
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.server.errors import InvalidArgument
 
@@ -86,6 +86,7 @@ class Engine:
         loss: a Keras loss object, name or config; the per-example loss is it unreduced.
         registry: per-layer rules (default: `rules.default_registry()`).
         slice_bytes: per-example tensors TensorFlow may hold at once; bounds peak memory.
+        jit_compile: True or False forces XLA on or off; "auto" measures both once.
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class Engine:
         loss: Any = None,
         registry: LayerRegistry | None = None,
         slice_bytes: int = DEFAULT_SLICE_BYTES,
+        jit_compile: JitCompile = "auto",
     ) -> None:
         loss = loss if loss is not None else getattr(model, "loss", None)
         if loss is None:
@@ -111,32 +113,38 @@ class Engine:
         self.loss_dtype = np.dtype(model_output.dtype)
         self.num_parameters = sum(int(np.prod(v.shape)) for v in self.variables)
         self.plan = make_plan(model, registry or default_registry())
-        self._per_example = per_example_function(model, self.loss, self.plan)
-        self._non_trainable = tuple(v.value for v in model.non_trainable_variables)
-        self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes_per_example()))
+        self._pass = CompiledPass(
+            model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
+        )
+        x = np.zeros((2, *(d or 1 for d in self.input_spec.shape)), self.input_spec.dtype)
+        y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
+        weights = self.initial_weights()
+        self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes(weights, x, y)))
+        self._pass.slice_cap = self.slice_size
+        self._pass.choose(weights, *self._pass.probe_batch(x, y))
         _LOGGER.info(
-            "model %s: %d variables, %d parameters, slices of %d examples; %s",
+            "model %s: %d variables, %d parameters, slices of %d examples, XLA %s; %s",
             model.name,
             len(self.variables),
             self.num_parameters,
             self.slice_size,
+            "on" if self._pass.xla else "off",
             self.plan.describe(),
         )
 
-    def _tensorflow_bytes_per_example(self) -> int:
-        """Bytes of the per-example tensors TensorFlow forms (factored ones excluded).
+    def _tensorflow_bytes(self, weights: Sequence[tf.Tensor], x: np.ndarray, y: np.ndarray) -> int:
+        """Bytes per example of the per-example tensors TensorFlow forms (not factored ones).
 
-        Traces the computation once on a batch of two zero examples, which also keeps
-        tracing out of the first request's latency.
+        Runs the pass once on two zero examples, which also keeps tracing out of the
+        first request's latency.
         """
-        x = np.zeros((2, *(d or 1 for d in self.input_spec.shape)), self.input_spec.dtype)
-        y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
-        _, grads = self._per_example(self.initial_weights(), self._non_trainable, x, y)
-        return sum(
-            int(np.prod(g.shape[1:])) * g.dtype.size
-            for g in grads.values()
-            if not isinstance(g, Outer | Scatter)
-        )
+        _, grads = self._pass(weights, x, y)
+        return sum(g[0].nbytes for g in grads.values() if not isinstance(g, Outer | Scatter))
+
+    @property
+    def xla(self) -> bool:
+        """Whether the pass runs XLA-compiled (chosen per model with jit_compile="auto")."""
+        return self._pass.xla
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
         """The model's own trainable values, as immutable tensors."""
@@ -184,17 +192,15 @@ class Engine:
     ) -> Iterator[tuple[int, int, np.ndarray, list[Grad]]]:
         for start in range(0, x.shape[0], self.slice_size):
             stop = min(start + self.slice_size, x.shape[0])
-            losses, grads = self._per_example(
-                weights, self._non_trainable, x[start:stop], y[start:stop]
-            )
+            losses, grads = self._pass(weights, x[start:stop], y[start:stop])
             numpy_grads = [self._grad_or_zeros(grads, v, stop - start) for v in self.variables]
-            yield start, stop, losses.numpy(), numpy_grads
+            yield start, stop, losses, numpy_grads
 
     @staticmethod
     def _grad_or_zeros(grads: dict[str, Grad], variable: VariableSpec, count: int) -> Grad:
         """A ruled layer that the forward pass never called has zero gradients."""
         if variable.name in grads:
-            return to_numpy(grads[variable.name])
+            return grads[variable.name]
         return np.zeros((count, *variable.shape), variable.dtype)
 
     def iter_slices(

@@ -60,8 +60,12 @@ def _parts(batch: int, count: int) -> list[slice]:
 
 
 def _fill_outer(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
+    """Measured here for [256, 512, 32]: einsum 2.1 ms, broadcast multiply 7.6 ms; for
+    [256, 784, 128] multiply 32 ms, einsum 37 ms (inner loops of J elements each)."""
     flat = out.reshape(out.shape[0], a.shape[-1], g.shape[-1])
-    if a.shape[1] == 1:
+    if a.shape[1] == 1 and g.shape[-1] <= 64:
+        np.einsum("bi,bj->bij", a[:, 0], g[:, 0], out=flat)
+    elif a.shape[1] == 1:
         np.multiply(a[:, 0, :, None], g[:, 0, None, :], out=flat)
     else:
         np.matmul(a.transpose(0, 2, 1), g, out=flat)
@@ -90,7 +94,7 @@ def rows(grad: Grad, part: slice) -> Grad:
 def materialize(grad: Grad, out: np.ndarray) -> None:
     """Write a numpy gradient (see `to_numpy`) into `out` [B, *shape], on both cores."""
     if isinstance(grad, Outer):
-        work = [(_fill_outer, grad.a[s], grad.g[s], out[s]) for s in _parts(out.shape[0], 4)]
+        work = [(_fill_outer, grad.a[s], grad.g[s], out[s]) for s in _parts(out.shape[0], 2)]
     elif isinstance(grad, Scatter):
         work = [(_fill_scatter, grad.ids[s], grad.g[s], out[s]) for s in _parts(out.shape[0], 2)]
     else:

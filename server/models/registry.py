@@ -11,6 +11,7 @@ from typing import Any
 import keras
 
 from pergrad.server.engine import Engine
+from pergrad.server.engine.compiled import JitCompile
 from pergrad.server.errors import NotFound
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import load_keras_file, resolve_model_path
@@ -26,17 +27,23 @@ class ServedModel:
     weights: WeightsStore
 
 
-def serve_model(name: str, model: keras.Model, *, loss: Any = None) -> ServedModel:
-    engine = Engine(model, loss=loss)
+def serve_model(
+    name: str, model: keras.Model, *, loss: Any = None, jit_compile: JitCompile = "auto"
+) -> ServedModel:
+    engine = Engine(model, loss=loss, jit_compile=jit_compile)
     return ServedModel(name, engine, WeightsStore(engine.variables, engine.initial_weights()))
 
 
-def load_model(spec: str, *, model_dir: Path | None, loss: Any = None) -> ServedModel:
+def load_model(
+    spec: str, *, model_dir: Path | None, loss: Any = None, jit_compile: JitCompile = "auto"
+) -> ServedModel:
     """A built-in model by name, or a `.keras` file (named by its file stem)."""
     if spec in BUILTIN_MODELS:
-        return serve_model(spec, BUILTIN_MODELS[spec](), loss=loss or LOSS)
-    path = resolve_model_path(spec, model_dir)
-    return serve_model(path.stem, load_keras_file(path), loss=loss)
+        model, loss = BUILTIN_MODELS[spec](), loss or LOSS
+    else:
+        path = resolve_model_path(spec, model_dir)
+        spec, model = path.stem, load_keras_file(path)
+    return serve_model(spec, model, loss=loss, jit_compile=jit_compile)
 
 
 class ModelRegistry:

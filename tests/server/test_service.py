@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.engine import Engine
+from pergrad.server.engine.losses import PerExampleLoss
 from pergrad.server.engine.reference import References
 from pergrad.server.main import SERVICE_NAME, RunningServer
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
@@ -19,9 +19,8 @@ from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for, tabular_mod
 def _reference(name: str) -> References:
     if name == KERAS_MODEL_NAME:
         model = tabular_model()
-        return References(model, Engine(model).loss)
-    model = BUILTIN_MODELS[name]()
-    return References(model, Engine(model, loss=LOSS).loss)
+        return References(model, PerExampleLoss(model.loss))
+    return References(BUILTIN_MODELS[name](), PerExampleLoss(LOSS))
 
 
 def _batch(client: GradientClient, name: str, size: int, seed: int = 0):

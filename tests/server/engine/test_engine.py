@@ -16,8 +16,8 @@ from tests.helpers import assert_close, batch_for, tabular_model
 
 def _engine(name: str) -> Engine:
     if name == "tabular":
-        return Engine(tabular_model())
-    return Engine(BUILTIN_MODELS[name](), loss=LOSS)
+        return Engine(tabular_model(), jit_compile=False)
+    return Engine(BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
 
 
 def _batch(engine: Engine, size: int, seed: int = 0):
@@ -51,7 +51,7 @@ def test_mean_of_per_example_gradients_is_batch_gradient(name: str) -> None:
 @pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn"])
 def test_slices_give_the_same_result_as_one_pass(name: str) -> None:
     whole = _engine(name)
-    sliced = Engine(whole.model, loss=LOSS, slice_bytes=1)
+    sliced = Engine(whole.model, loss=LOSS, slice_bytes=1, jit_compile=False)
     assert sliced.slice_size == 1
     x, y = _batch(whole, 10)
     assert_close(
@@ -94,7 +94,7 @@ def test_given_weights_are_used_instead_of_the_models() -> None:
 def test_sequence_outputs_average_loss_over_time_steps() -> None:
     inputs = keras.Input((6, 3))
     outputs = keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(3))(inputs)
-    engine = Engine(keras.Model(inputs, outputs), loss="mean_squared_error")
+    engine = Engine(keras.Model(inputs, outputs), loss="mean_squared_error", jit_compile=False)
     assert engine.label_spec.shape == (6, 2)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 6, 3)).astype(np.float32)
@@ -132,9 +132,35 @@ def test_model_without_loss_is_refused() -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_vectorized_route_alone_matches_batch_size_one_loop(name: str) -> None:
     model = _engine(name).model
-    engine = Engine(model, loss=model.loss if name == "tabular" else LOSS, registry=LayerRegistry())
+    engine = Engine(
+        model,
+        loss=model.loss if name == "tabular" else LOSS,
+        registry=LayerRegistry(),
+        jit_compile=False,
+    )
     assert len(engine.plan.fallback) == len(model.trainable_variables)
     x, y = _batch(engine, 6)
     result = engine.per_example_gradients(x, y)
     _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+def test_xla_pads_odd_slices_and_drops_the_padding() -> None:
+    engine = Engine(BUILTIN_MODELS["transformer_block"](), loss=LOSS, jit_compile=True)
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 1000, size=(5, 32)).astype(np.int32)
+    y = rng.integers(0, 10, size=5).astype(np.int32)
+    result = engine.per_example_gradients(x, y)
+    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert result.losses.shape == (5,)
+    assert_close({"losses": result.losses}, {"losses": losses})
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+def test_auto_jit_picks_a_route_and_stays_correct() -> None:
+    engine = Engine(BUILTIN_MODELS["mnist_mlp"](), loss=LOSS, jit_compile="auto")
+    assert engine.xla in (True, False)
+    x, y = _batch(engine, 3)
+    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    result = engine.per_example_gradients(x, y)
     assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))

@@ -145,14 +145,14 @@ def _check_against_loop(engine: Engine, batch: int = 5) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rule_matches_batch_size_one_loop(case: str) -> None:
-    engine = Engine(CASES[case](), loss=LOSS)
+    engine = Engine(CASES[case](), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == (), engine.plan.describe()
     _check_against_loop(engine)
 
 
 @pytest.mark.parametrize("name", ["transformer_block", "wide_mlp"])
 def test_builtin_model_matches_batch_size_one_loop(name: str) -> None:
-    engine = Engine(BUILTIN_MODELS[name](), loss=LOSS)
+    engine = Engine(BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == ()
     x, y = _inputs(engine.model, 3)
     if name == "transformer_block":
@@ -177,7 +177,7 @@ def test_model_mixing_ruled_and_unruled_layers() -> None:
     h = L.Dense(5, "relu", kernel_initializer=_init(1), name="ruled")(inputs)
     h = Scale(name="unruled")(h)
     model = keras.Model(inputs, _head(h))
-    engine = Engine(model, loss=LOSS)
+    engine = Engine(model, loss=LOSS, jit_compile=False)
     assert [model.trainable_variables[i].path for i in engine.plan.fallback] == ["unruled/scale"]
     assert "vectorized fallback: unruled (no rule for Scale)" in engine.plan.describe()
     _check_against_loop(engine)
@@ -188,7 +188,7 @@ def test_conv1d_text_model() -> None:
     h = L.Embedding(20, 8, embeddings_initializer=_init(6))(tokens)
     h = L.Conv1D(6, 3, padding="same", activation="relu", kernel_initializer=_init(4))(h)
     h = L.GlobalMaxPooling1D()(h)
-    engine = Engine(keras.Model(tokens, _head(h)), loss=LOSS)
+    engine = Engine(keras.Model(tokens, _head(h)), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == ()
     _check_against_loop(engine, batch=7)
 
@@ -203,7 +203,7 @@ def test_nested_sequential_inside_functional() -> None:
         ]
     )
     inputs = keras.Input((6, 6, 1))
-    engine = Engine(keras.Model(inputs, _head(block(inputs))), loss=LOSS)
+    engine = Engine(keras.Model(inputs, _head(block(inputs))), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == ()
     _check_against_loop(engine)
 
@@ -212,6 +212,13 @@ def test_capturing_leaves_the_model_unchanged() -> None:
     model = CASES["dense"]()
     x, _ = _inputs(model, 3)
     before = np.asarray(model(x))
-    Engine(model, loss=LOSS)
+    Engine(model, loss=LOSS, jit_compile=False)
     assert "call" not in vars(model.layers[1])
     np.testing.assert_array_equal(np.asarray(model(x)), before)
+
+
+@pytest.mark.parametrize("case", ["conv2d_dilated_grouped", "embedding", "layer_norm", "dense"])
+def test_xla_compiled_rule_matches_batch_size_one_loop(case: str) -> None:
+    engine = Engine(CASES[case](), loss=LOSS, jit_compile=True)
+    assert engine.xla
+    _check_against_loop(engine, batch=5)
