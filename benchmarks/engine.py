@@ -7,10 +7,14 @@ For each workload and batch size, in one run with interleaved repetitions (media
   jacobian_pfor   GradientTape.jacobian of the [B] losses, pfor
   pergrad         Engine.per_example_gradients, refilling the previous result's buffers
 Every method returns full per-example tensors as numpy (mean_grad: the mean gradient).
-Peak memory: each method alone in a fresh process at the largest batch, peak RSS above
-the RSS after building the model and the batch.
+Each method first runs alone in a fresh process, which gives its peak memory (peak RSS
+above the RSS after building the model and the batch) and shows whether it survives:
+TensorFlow 2.21's oneDNN BatchMatMul corrupts the heap under vectorized_map of the
+transformer block. A crashed method is left out of the interleaved timing (one more
+fresh process per workload and batch) and timed alone with TF_ENABLE_ONEDNN_OPTS=0,
+marked "(oneDNN off)".
 
-    python benchmarks/engine.py [--workloads ...] [--batch-sizes 32 256] [--repeats 5]
+    python benchmarks/engine.py [--workloads W ...] [--batch-sizes 32 256] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ WORKLOADS = ["mnist_mlp", "mnist_cnn", "wide_mlp", "transformer_block"]
 METHODS = ["mean_grad", "naive_loop", "vectorized_map", "jacobian_pfor", "pergrad"]
 
 
-def make_engine(workload: str) -> Engine:
-    return Engine(BUILTIN_MODELS[workload](), loss=LOSS)
+def make_engine(workload: str, *, pergrad: bool = True) -> Engine:
+    """The engine as a server builds it (XLA chosen per model) when it is measured."""
+    jit_compile = "auto" if pergrad else False
+    return Engine(BUILTIN_MODELS[workload](), loss=LOSS, jit_compile=jit_compile)
 
 
 def make_batch(engine: Engine, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -91,9 +97,9 @@ def make_methods(engine: Engine, x: np.ndarray, y: np.ndarray) -> dict[str, Call
     }
 
 
-def child(workload: str, method: str, batch: int) -> None:
+def child_memory(workload: str, method: str, batch: int) -> None:
     """Peak memory of one method alone: printed as one JSON line."""
-    engine = make_engine(workload)
+    engine = make_engine(workload, pergrad=method == "pergrad")
     x, y = make_batch(engine, batch)
     fn = make_methods(engine, x, y)[method]
     before = current_rss_bytes()
@@ -102,72 +108,98 @@ def child(workload: str, method: str, batch: int) -> None:
     print(json.dumps({"peak_bytes": peak_rss_bytes() - before}))
 
 
+def child_time(workload: str, batch: int, methods: list[str], repeats: int) -> None:
+    """Median seconds of each method, interleaved: printed as one JSON line."""
+    engine = make_engine(workload, pergrad="pergrad" in methods)
+    x, y = make_batch(engine, batch)
+    fns = make_methods(engine, x, y)
+    print(json.dumps(interleaved_medians({m: fns[m] for m in methods}, repeats=repeats)))
+
+
 def result_bytes(engine: Engine, batch: int) -> int:
     return batch * sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in engine.variables)
 
 
 def measure(
-    workloads: list[str], batches: list[int], methods: list[str], repeats: int, memory: bool
+    workloads: list[str], batches: list[int], methods: list[str], repeats: int
 ) -> list[dict]:
+    script = Path(__file__)
     rows = []
     for workload in workloads:
-        engine = make_engine(workload)
+        size = result_bytes(make_engine(workload, pergrad=False), 1)
         for batch in batches:
-            x, y = make_batch(engine, batch)
-            fns = make_methods(engine, x, y)
-            medians = interleaved_medians({m: fns[m] for m in methods}, repeats=repeats)
+            args = [workload, str(batch)]
+            survivors, found = [], {}
+            for method in methods:
+                found[method] = run_child(script, ["--child-memory", workload, method, str(batch)])
+                if "crashed" not in found[method]:
+                    survivors.append(method)
+            medians = run_child(script, ["--child-time", *args, str(repeats), *survivors])
+            for method in set(methods) - set(survivors):
+                alone = run_child(
+                    script,
+                    ["--child-time", *args, str(repeats), method],
+                    env={"TF_ENABLE_ONEDNN_OPTS": "0"},
+                )
+                medians |= {method: alone[method]} if method in alone else {}
             for method in methods:
                 row = {
                     "workload": workload,
                     "batch": batch,
                     "method": method,
-                    "ms": 1000 * medians[method],
-                    "result_mb": result_bytes(engine, batch) / 1e6,
+                    "result_mb": batch * size / 1e6,
+                    **found[method],
                 }
-                if memory and batch == max(batches):
-                    peak = run_child(Path(__file__), [workload, method, str(batch)])["peak_bytes"]
-                    row["peak_mb"] = peak / 1e6
+                if method in medians:
+                    row["ms"] = 1000 * medians[method]
                 rows.append(row)
             print(f"measured {workload} B={batch}", file=sys.stderr, flush=True)
     return rows
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    return f"{a['ms'] / b['ms']:.2f}" if a and b and "ms" in a and "ms" in b else ""
+
+
+def _method_row(r: dict) -> str:
+    head = f"| {r['workload']} | {r['batch']} | {r['method']} |"
+    if "ms" not in r:
+        return f"{head} crashed ({r['crashed']}) | | |"
+    throughput = f"{1000 * r['batch'] / r['ms']:,.0f}"
+    if "crashed" in r:
+        return f"{head} {r['ms']:.1f} (oneDNN off; crashed with it) | {throughput} | |"
+    return f"{head} {r['ms']:.1f} | {throughput} | {r['peak_bytes'] / 1e6:.0f} |"
+
+
+def _summary_row(by: dict, workload: str, batch: int) -> str:
+    def get(method: str) -> dict | None:
+        return by.get((workload, batch, method))
+
+    ours, mean = get("pergrad"), get("mean_grad")
+    memory = ""
+    if ours and mean and "peak_bytes" in ours and "peak_bytes" in mean:
+        bound = ours["result_mb"] + mean["peak_bytes"] / 1e6
+        memory = f"{ours['peak_bytes'] / 1e6 / bound:.2f}"
+    return (
+        f"| {workload} | {batch} | {ours['result_mb']:.0f} | {_ratio(ours, mean)} | "
+        f"{_ratio(get('vectorized_map'), ours)} | {_ratio(get('naive_loop'), ours)} | {memory} |"
+    )
 
 
 def table(rows: list[dict]) -> str:
     lines = [
         "| workload | B | method | ms/batch | examples/s | peak MB |",
         "| --- | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        peak = f"{r['peak_mb']:.0f}" if "peak_mb" in r else ""
-        lines.append(
-            f"| {r['workload']} | {r['batch']} | {r['method']} | {r['ms']:.1f} | "
-            f"{1000 * r['batch'] / r['ms']:,.0f} | {peak} |"
-        )
-    lines += [
+        *(_method_row(r) for r in rows),
         "",
-        "| workload | B | result MB | pergrad / mean_grad | vectorized_map / pergrad "
-        "| naive_loop / pergrad | pergrad peak / (result + mean_grad peak) |",
+        "| workload | B | result MB | pergrad / mean_grad | vectorized_map / pergrad | "
+        "naive_loop / pergrad | pergrad peak / (result + mean_grad peak) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by = {(r["workload"], r["batch"], r["method"]): r for r in rows}
     for workload, batch in dict.fromkeys((r["workload"], r["batch"]) for r in rows):
-        get = lambda m: by.get((workload, batch, m))  # noqa: E731
-        ours, mean, vmap, loop = (
-            get("pergrad"),
-            get("mean_grad"),
-            get("vectorized_map"),
-            get("naive_loop"),
-        )
-        if not ours:
-            continue
-        ratio = lambda a, b: f"{a['ms'] / b['ms']:.2f}" if a and b else ""  # noqa: E731
-        memory = ""
-        if mean and "peak_mb" in ours and "peak_mb" in mean:
-            memory = f"{ours['peak_mb'] / (ours['result_mb'] + mean['peak_mb']):.2f}"
-        lines.append(
-            f"| {workload} | {batch} | {ours['result_mb']:.0f} | {ratio(ours, mean)} | "
-            f"{ratio(vmap, ours)} | {ratio(loop, ours)} | {memory} |"
-        )
+        if (workload, batch, "pergrad") in by:
+            lines.append(_summary_row(by, workload, batch))
     return "\n".join(lines)
 
 
@@ -179,14 +211,17 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[32, 256])
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--child-time", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
-        return
-    rows = measure(args.workloads, args.batch_sizes, args.methods, args.repeats, not args.no_memory)
-    print(table(rows))
+    if args.child_memory:
+        workload, method, batch = args.child_memory
+        child_memory(workload, method, int(batch))
+    elif args.child_time:
+        workload, batch, repeats, *methods = args.child_time
+        child_time(workload, int(batch), methods, int(repeats))
+    else:
+        print(table(measure(args.workloads, args.batch_sizes, args.methods, args.repeats)))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,15 +46,24 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_child(script: Path, args: Sequence[str], *, timeout_s: float = 600) -> dict:
-    """Run `script --child ARGS` in a fresh interpreter; it prints one JSON line last."""
+def run_child(
+    script: Path, args: Sequence[str], *, env: dict[str, str] | None = None, timeout_s: float = 900
+) -> dict:
+    """Run `script ARGS` in a fresh interpreter, which prints one JSON line last.
+
+    A child killed by a signal (TensorFlow segfaults on some workloads) comes back as
+    {"crashed": "<signal name>"} so the run goes on and the table says so.
+    """
     run = subprocess.run(
-        [sys.executable, str(script), "--child", *args],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         check=False,
+        env={**os.environ, **(env or {})},
     )
+    if run.returncode < 0:
+        return {"crashed": signal.Signals(-run.returncode).name}
     if run.returncode != 0:
         raise RuntimeError(f"child {args} failed: {run.stderr[-2000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -32,6 +32,10 @@ _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_SLICE_BYTES = 64 << 20
 DEFAULT_BLOCK_BYTES = 16 << 20
+# TensorFlow 2.21's oneDNN kernels segfault on vectorized_map of MultiHeadAttention at
+# B >= 64 (benchmarks/engine.py, transformer_block); slices that take the vectorized
+# route stay below that.
+FALLBACK_MAX_SLICE = 32
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class Engine:
         y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
         weights = self.initial_weights()
         self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes(weights, x, y)))
+        if self.plan.fallback:
+            self.slice_size = min(self.slice_size, FALLBACK_MAX_SLICE)
         self._pass.slice_cap = self.slice_size
         self._pass.choose(weights, *self._pass.probe_batch(x, y))
         _LOGGER.info(

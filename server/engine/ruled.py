@@ -52,18 +52,20 @@ def per_example_function(
     label_shape: tuple[int, ...],
     label_dtype: tf.DType,
     jit_compile: bool = False,
+    batch_size: int | None = None,
 ) -> PerExampleFn:
     """(trainable, non_trainable, x, y) -> (losses [B], {variable path: Grad}).
 
-    A fixed input signature keeps one trace for every batch size and makes each call
-    cheaper than shape-keyed retracing (about 1.5 ms less here).
+    A fixed input signature makes each call cheaper than shape-keyed retracing (about
+    1.5 ms less here). With `batch_size` the batch dimension is static in it, so the
+    function handles exactly that many examples; else any number.
     """
     paths = [v.path for v in model.trainable_variables]
     signature = [
         [tf.TensorSpec(v.shape, v.dtype) for v in model.trainable_variables],
         [tf.TensorSpec(v.shape, v.dtype) for v in model.non_trainable_variables],
-        tf.TensorSpec([None, *model.inputs[0].shape[1:]], model.inputs[0].dtype),
-        tf.TensorSpec([None, *label_shape], label_dtype),
+        tf.TensorSpec([batch_size, *model.inputs[0].shape[1:]], model.inputs[0].dtype),
+        tf.TensorSpec([batch_size, *label_shape], label_dtype),
     ]
 
     @tf.function(input_signature=signature, jit_compile=jit_compile)
