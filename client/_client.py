@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -15,12 +15,12 @@ from pergrad.client._codec import (
     DEFAULT_CHUNK_BYTES,
     CodecError,
     TensorAssembler,
-    encode_tensor,
     iter_chunks,
     tensor_spec,
 )
+from pergrad.client._requests import gradients_request
 from pergrad.client._results import read_results
-from pergrad.client._types import GradientResult, ModelInfo, PergradError, TensorInfo
+from pergrad.client._types import GradientResult, ModelInfo, PergradError
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 
@@ -41,26 +41,6 @@ def _rpc_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
             raise PergradError(err.code(), err.details() or "") from None
 
     return wrapper
-
-
-def _cast(array: Any, spec: TensorInfo, *, what: str) -> np.ndarray:
-    """`array` in the dtype the model expects, refusing lossy kinds of conversion."""
-    array = np.asarray(array)
-    if array.dtype == spec.dtype:
-        return np.ascontiguousarray(array)
-    if not np.can_cast(array.dtype, spec.dtype, casting="same_kind"):
-        raise PergradError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{what}: model expects {spec.dtype.name}, got {array.dtype.name}",
-        )
-    if np.issubdtype(spec.dtype, np.integer) and array.size:
-        limits = np.iinfo(spec.dtype)
-        if array.min() < limits.min or array.max() > limits.max:
-            raise PergradError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{what}: values outside the range of {spec.dtype.name}",
-            )
-    return np.ascontiguousarray(array, dtype=spec.dtype)
 
 
 class GradientClient:
@@ -119,28 +99,42 @@ class GradientClient:
         self._infos[model] = info
         return info
 
-    def _request(
-        self, model: str, x: Any, y: Any, *, model_version: int, request_id: int = 0
-    ) -> pb.GradientsRequest:
-        info = self._infos.get(model) or self.model_info(model)
-        return pb.GradientsRequest(
-            model=model,
-            model_version=model_version,
-            inputs=encode_tensor(_cast(x, info.input, what="inputs")),
-            labels=encode_tensor(_cast(y, info.labels, what="labels")),
-            request_id=request_id,
-        )
+    def _info(self, model: str) -> ModelInfo:
+        return self._infos.get(model) or self.model_info(model)
 
     @_rpc_errors
     def per_example_gradients(
-        self, model: str, x: Any, y: Any, *, model_version: int = 0, timeout: float | None = None
+        self,
+        model: str,
+        x: Any,
+        y: Any,
+        *,
+        reduction: str = "none",
+        variables: Sequence[str] | None = None,
+        model_version: int = 0,
+        timeout: float | None = None,
+        **options: Any,
     ) -> GradientResult:
-        """Per-example losses [B] and gradients {variable: [B, *shape]} of one batch.
+        """Per-example losses [B] and gradients {variable: [B, *shape]} of one batch,
+        or a server-side reduction of them.
 
-        `model_version` pins the weights: the call fails with FAILED_PRECONDITION
-        unless that version is current.
+        Args:
+            reduction: "none" (full gradients), "norms", "clipped_sum" (options
+                max_norm, noise_multiplier, seed), "moments", "dot" (reference:
+                {variable: [K, *shape]}) or "project" (dim, seed, kind="rademacher" or
+                "gaussian"); see `GradientResult` for the fields each fills.
+            variables: restrict any reduction to these variables.
+            model_version: pin the weights: FAILED_PRECONDITION unless it is current.
         """
-        request = self._request(model, x, y, model_version=model_version)
+        request = gradients_request(
+            self._info(model),
+            x,
+            y,
+            model_version=model_version,
+            reduction=reduction,
+            variables=variables,
+            options=options,
+        )
         responses = self._stub.ComputePerExampleGradients(request, timeout=timeout or self._timeout)
         results = [result for _, result in read_results(responses)]
         if len(results) != 1:
@@ -152,14 +146,19 @@ class GradientClient:
         model: str,
         batches: Iterable[tuple[Any, Any]],
         *,
+        reduction: str = "none",
+        variables: Sequence[str] | None = None,
         model_version: int = 0,
         timeout: float | None = None,
+        **options: Any,
     ) -> Iterator[GradientResult]:
         """Results of many (x, y) batches on one call, in order, pipelined.
 
-        At most `max_in_flight` batches wait on the wire; `timeout` bounds the whole
-        stream (default: no deadline).
+        Takes the same reduction arguments as `per_example_gradients`. At most
+        `max_in_flight` batches wait on the wire; `timeout` bounds the whole stream
+        (default: no deadline).
         """
+        info = self._info(model)
         window = threading.Semaphore(self._max_in_flight)
         finished = threading.Event()
         failures: list[PergradError] = []
@@ -170,8 +169,15 @@ class GradientClient:
                     while not window.acquire(timeout=0.1):
                         if finished.is_set():
                             return
-                    yield self._request(
-                        model, x, y, model_version=model_version, request_id=request_id
+                    yield gradients_request(
+                        info,
+                        x,
+                        y,
+                        model_version=model_version,
+                        reduction=reduction,
+                        variables=variables,
+                        options=options,
+                        request_id=request_id,
                     )
             except PergradError as err:
                 failures.append(err)
@@ -230,8 +236,7 @@ class GradientClient:
         current (FAILED_PRECONDITION otherwise), so concurrent writers cannot clobber
         each other. Arrays are cast to the variables' dtypes.
         """
-        info = self._infos.get(model) or self.model_info(model)
-        dtypes = {v.name: v.dtype for v in info.variables}
+        dtypes = {v.name: v.dtype for v in self._info(model).variables}
         arrays = {
             name: np.ascontiguousarray(value, dtype=dtypes.get(name))
             for name, value in weights.items()

@@ -10,13 +10,16 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
-from pergrad.client._codec import CodecError, TensorAssembler, wire_dtype
+from pergrad.client._codec import CodecError, TensorAssembler, tensor_spec, wire_dtype
 from pergrad.client._types import GradientResult, PergradError
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 
 LOSSES = "losses"
 GRADIENTS = "gradients"
+# GradientResult fields that map variable names to tensors; the others are one tensor.
+PER_VARIABLE = ("gradients", "variable_norms", "clipped_sum", "sum", "sum_squares")
+SINGLE = ("losses", "norms", "num_clipped", "dots", "projections")
 
 
 def header_for_shapes(
@@ -48,24 +51,38 @@ def header_for_shapes(
     )
 
 
+def result_outputs(result: GradientResult) -> tuple[list[pb.ResultTensor], list[np.ndarray]]:
+    """Every tensor a (reduced) result holds, with its ResultTensor, in a fixed order."""
+    outputs, arrays = [], []
+    for name in SINGLE:
+        value = getattr(result, name)
+        if value is not None:
+            arrays.append(np.asarray(value))
+            outputs.append(pb.ResultTensor(field=name, tensor=tensor_spec("", arrays[-1])))
+    for name in PER_VARIABLE:
+        for variable, value in getattr(result, name).items():
+            arrays.append(np.asarray(value))
+            outputs.append(pb.ResultTensor(field=name, tensor=tensor_spec(variable, arrays[-1])))
+    return outputs, arrays
+
+
 def result_from_arrays(header: pb.ResultHeader, arrays: Sequence[np.ndarray]) -> GradientResult:
-    losses = None
-    gradients: dict[str, np.ndarray] = {}
+    fields: dict[str, object] = {name: {} for name in PER_VARIABLE}
     for output, array in zip(header.outputs, arrays, strict=True):
-        if output.field == LOSSES:
-            losses = array
-        elif output.field == GRADIENTS:
-            gradients[output.tensor.name] = array
+        if output.field in PER_VARIABLE:
+            fields[output.field][output.tensor.name] = array
+        elif output.field == "num_clipped":
+            fields[output.field] = int(array)
+        elif output.field in SINGLE:
+            fields[output.field] = array
         else:
             raise PergradError(
                 grpc.StatusCode.UNIMPLEMENTED,
                 f"server sent output field {output.field!r}, unknown to this client; upgrade it",
             )
-    if losses is None:
+    if "losses" not in fields:
         raise PergradError(grpc.StatusCode.INTERNAL, "server sent a result without losses")
-    return GradientResult(
-        losses=losses, gradients=gradients, model_version=header.model_version, model=header.model
-    )
+    return GradientResult(model_version=header.model_version, model=header.model, **fields)
 
 
 def read_results(responses: Iterator[pb.GradientsResponse]) -> Iterator[tuple[int, GradientResult]]:

@@ -63,11 +63,19 @@ class ModelInfo:
 
 @dataclass
 class GradientResult:
-    """Per-example results of one batch.
+    """Per-example results of one batch; which fields are set depends on the reduction.
 
     Attributes:
-        losses: per-example loss, [B].
-        gradients: variable name -> per-example gradient, [B, *variable.shape].
+        losses: per-example loss, [B] (always).
+        gradients: variable -> per-example gradient [B, *shape] (reduction "none").
+        norms: per-example L2 norm of the whole (selected) gradient, [B] ("norms",
+            "clipped_sum").
+        variable_norms: variable -> per-example L2 norm, [B] ("norms").
+        clipped_sum: variable -> sum of clipped per-example gradients plus noise
+            ("clipped_sum"); num_clipped: how many examples were clipped.
+        sum, sum_squares: variable -> sum over examples of g and of g**2 ("moments").
+        dots: [B, K] dot products with K reference gradients ("dot").
+        projections: [B, dim] random projections ("project").
         model_version: the weights version every tensor was computed with.
         model: the model's name.
     """
@@ -76,13 +84,21 @@ class GradientResult:
     gradients: dict[str, np.ndarray] = field(default_factory=dict)
     model_version: int = 0
     model: str = ""
+    norms: np.ndarray | None = None
+    variable_norms: dict[str, np.ndarray] = field(default_factory=dict)
+    clipped_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    num_clipped: int | None = None
+    sum: dict[str, np.ndarray] = field(default_factory=dict)
+    sum_squares: dict[str, np.ndarray] = field(default_factory=dict)
+    dots: np.ndarray | None = None
+    projections: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.losses.shape[0])
 
-    def norms(self) -> np.ndarray:
-        """Per-example L2 norm of the whole gradient, [B]."""
+    def gradient_norms(self) -> np.ndarray:
+        """Per-example L2 norms computed here from the full `gradients`, [B]."""
         squares = np.zeros(self.batch_size, dtype=np.float64)
         for grad in self.gradients.values():
             flat = grad.reshape(self.batch_size, -1).astype(np.float64, copy=False)

@@ -51,7 +51,7 @@ def _grads(args: argparse.Namespace) -> int:
         start = 0
         for result in results:
             stop = start + result.batch_size
-            named = {"losses": result.losses, "norms": result.norms()}
+            named = {"losses": result.losses, "norms": result.gradient_norms()}
             named |= {f"grad/{name}": grad for name, grad in result.gradients.items()}
             for key, value in named.items():
                 if key not in out:

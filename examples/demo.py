@@ -60,7 +60,7 @@ def main() -> None:
                 f"{info.num_parameters:,} parameters, loss {info.loss}"
             )
             result = client.per_example_gradients("mnist_cnn", x[:12], y[:12])
-            norms = result.norms()
+            norms = result.gradient_norms()
             print("\nexample  label  loss     gradient L2 norm")
             for i in range(result.batch_size):
                 print(f"{i:7d}  {y[i]:5d}  {result.losses[i]:.4f}   {norms[i]:.4f}")

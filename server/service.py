@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pergrad.client import GradientResult
 from pergrad.client._codec import (
     CodecError,
     TensorAssembler,
@@ -24,10 +25,13 @@ from pergrad.client._codec import (
     tensor_spec,
     wire_dtype,
 )
-from pergrad.client._results import header_for_shapes
+from pergrad.client._results import header_for_shapes, result_outputs
 from pergrad.server.config import Config
+from pergrad.server.engine import reductions
 from pergrad.server.errors import InvalidArgument, PergradServerError
-from pergrad.server.models.registry import ModelRegistry
+from pergrad.server.models.registry import ModelRegistry, ServedModel
+from pergrad.server.reduction_request import reduction_request
+from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
@@ -176,25 +180,59 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         served = self._registry.get(request.model)
         x, y = self._decode_batch(request)
         snapshot = served.weights.get(request.model_version)
+        asked = reduction_request(request)
+        if asked.name == reductions.NONE and not asked.options:
+            parts = self._full_gradients(served, snapshot, x, y, asked.variables, context)
+        else:
+            result = served.engine.per_example_gradients(
+                x,
+                y,
+                reduction=asked.name,
+                variables=asked.variables,
+                trainable=snapshot.trainable,
+                **asked.options,
+            )
+            parts = self._whole_result(served.name, snapshot.version, result)
+        for part in parts:
+            if isinstance(part, pb.ResultHeader):
+                yield pb.GradientsResponse(request_id=request.request_id, header=part)
+            else:
+                yield pb.GradientsResponse(request_id=request.request_id, chunk=part)
+
+    def _whole_result(
+        self, model: str, version: int, result: GradientResult
+    ) -> Iterator[pb.ResultHeader | tensor_pb2.TensorChunk]:
+        outputs, arrays = result_outputs(result)
+        yield pb.ResultHeader(
+            model=model, model_version=version, batch_size=result.batch_size, outputs=outputs
+        )
+        for index, array in enumerate(arrays):
+            yield from iter_chunks(index, array, chunk_bytes=self._config.chunk_bytes)
+
+    def _full_gradients(
+        self,
+        served: ServedModel,
+        snapshot: Snapshot,
+        x: np.ndarray,
+        y: np.ndarray,
+        variables: list[str] | None,
+        context: grpc.ServicerContext,
+    ) -> Iterator[pb.ResultHeader | tensor_pb2.TensorChunk]:
+        """Full per-example gradients, streamed block by block as they are computed."""
         engine = served.engine
-        slices = engine.iter_slices(x, y, trainable=snapshot.trainable)
-        request_id = request.request_id
-        yield pb.GradientsResponse(
-            request_id=request_id,
-            header=header_for_shapes(
-                model=served.name,
-                model_version=snapshot.version,
-                batch_size=x.shape[0],
-                loss_dtype=engine.loss_dtype,
-                variables=[(v.name, v.dtype, v.shape) for v in engine.variables],
-            ),
+        slices = engine.iter_slices(x, y, variables=variables, trainable=snapshot.trainable)
+        yield header_for_shapes(
+            model=served.name,
+            model_version=snapshot.version,
+            batch_size=x.shape[0],
+            loss_dtype=engine.loss_dtype,
+            variables=[(v.name, v.dtype, v.shape) for v in engine.select(variables)],
         )
         for part in slices:
             if not context.is_active():
                 return
             for index, array in enumerate([part.losses, *part.gradients]):
                 start = part.start * (array.nbytes // array.shape[0])
-                for chunk in iter_chunks(
+                yield from iter_chunks(
                     index, array, start=start, chunk_bytes=self._config.chunk_bytes
-                ):
-                    yield pb.GradientsResponse(request_id=request_id, chunk=chunk)
+                )

@@ -78,7 +78,7 @@ def test_grads_writes_per_example_gradients_of_a_dataset(served, tmp_path: Path)
     np.testing.assert_allclose(
         written["grad/hidden/kernel"], direct.gradients["hidden/kernel"], rtol=1e-5, atol=1e-7
     )
-    np.testing.assert_allclose(written["norms"], direct.norms(), rtol=1e-5)
+    np.testing.assert_allclose(written["norms"], direct.gradient_norms(), rtol=1e-5)
     assert written["losses"].shape == (10,)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.client import GradientResult
+from pergrad.server.engine import reductions
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss, check_labels
@@ -40,6 +41,9 @@ FALLBACK_MAX_SLICE = 32
 
 @dataclass(frozen=True)
 class VariableSpec:
+    """A trainable variable: its position in the model's order, name, dtype and shape."""
+
+    index: int
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -55,7 +59,7 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class SliceResult:
-    """Examples [start, stop) of a batch: losses [n] and one [n, *shape] per variable."""
+    """Examples [start, stop) of a batch: losses [n] and one [n, *shape] per selected variable."""
 
     start: int
     stop: int
@@ -71,8 +75,8 @@ def _single(tensors: Sequence[Any], what: str, model: keras.Model) -> Any:
 
 def _variable_specs(model: keras.Model) -> tuple[VariableSpec, ...]:
     specs = tuple(
-        VariableSpec(v.path, np.dtype(v.dtype), tuple(int(d) for d in v.shape))
-        for v in model.trainable_variables
+        VariableSpec(i, v.path, np.dtype(v.dtype), tuple(int(d) for d in v.shape))
+        for i, v in enumerate(model.trainable_variables)
     )
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
@@ -142,9 +146,15 @@ class Engine:
         """Bytes per example of the per-example tensors TensorFlow forms (not factored ones).
 
         Runs the pass once on two zero examples, which also keeps tracing out of the
-        first request's latency.
+        first request's latency, and records in `factored` which variables' gradients
+        come factored ("outer" or "scatter").
         """
         _, grads = self._pass(weights, x, y)
+        self.factored = {
+            name: type(g).__name__.lower()
+            for name, g in grads.items()
+            if isinstance(g, Outer | Scatter)
+        }
         return sum(g[0].nbytes for g in grads.values() if not isinstance(g, Outer | Scatter))
 
     @property
@@ -182,6 +192,18 @@ class Engine:
             )
         check_labels(y, self.label_spec)
 
+    def select(self, variables: Sequence[str] | None) -> tuple[VariableSpec, ...]:
+        """The named variables in model order (all for None); unknown names are refused."""
+        if variables is None:
+            return self.variables
+        unknown = sorted(set(variables) - {v.name for v in self.variables})
+        if unknown or not variables:
+            raise InvalidArgument(
+                f"variables: unknown {unknown or 'empty filter'}; the model has "
+                f"{[v.name for v in self.variables]}"
+            )
+        return tuple(v for v in self.variables if v.name in set(variables))
+
     def _slices(
         self, x: np.ndarray, y: np.ndarray, trainable: Sequence[tf.Tensor] | None
     ) -> Iterator[tuple[int, int, np.ndarray, list[Grad]]]:
@@ -214,19 +236,25 @@ class Engine:
         x: np.ndarray,
         y: np.ndarray,
         *,
+        variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
     ) -> Iterator[SliceResult]:
-        """Results in blocks of about `block_bytes`; each block's arrays are reused by the next."""
+        """Full per-example gradients in blocks of about `block_bytes` of examples.
+
+        Each block's arrays are reused by the next: consume a block before asking for more.
+        """
+        selected = self.select(variables)
         slices = self._slices(x, y, trainable)
-        bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in self.variables)
+        bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected)
         block = max(1, min(self.slice_size, block_bytes // bytes_per_example))
-        buffers = [np.empty((block, *v.shape), v.dtype) for v in self.variables]
-        return self._blocks(slices, block, buffers)
+        buffers = [np.empty((block, *v.shape), v.dtype) for v in selected]
+        return self._blocks(slices, selected, block, buffers)
 
     @staticmethod
     def _blocks(
         slices: Iterator[tuple[int, int, np.ndarray, list[Grad]]],
+        selected: Sequence[VariableSpec],
         block: int,
         buffers: list[np.ndarray],
     ) -> Iterator[SliceResult]:
@@ -234,8 +262,8 @@ class Engine:
             for lo in range(0, stop - start, block):
                 hi = min(lo + block, stop - start)
                 outs = [buffer[: hi - lo] for buffer in buffers]
-                for grad, out in zip(grads, outs, strict=True):
-                    materialize(rows(grad, slice(lo, hi)), out)
+                for v, out in zip(selected, outs, strict=True):
+                    materialize(rows(grads[v.index], slice(lo, hi)), out)
                 yield SliceResult(start + lo, start + hi, losses[lo:hi], outs)
 
     def per_example_gradients(
@@ -243,33 +271,62 @@ class Engine:
         x: np.ndarray,
         y: np.ndarray,
         *,
+        reduction: str = reductions.NONE,
+        variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
         out: GradientResult | None = None,
+        **options: Any,
     ) -> GradientResult:
-        """Per-example losses [B] and gradients {variable: [B, *shape]} of one batch.
+        """Per-example losses [B] and, by `reduction`, full gradients or a reduction of them.
 
-        `out`, a previous result of the same batch size, is overwritten and returned:
-        refilling warm buffers is about twice as fast as filling fresh ones.
+        reduction "none": `gradients` {variable: [B, *shape]}; `out`, a previous result
+        of the same batch size, is refilled and returned (warm buffers fill about twice
+        as fast as fresh ones). Other reductions take their options as keywords:
+        "norms"; "clipped_sum" (max_norm, noise_multiplier, seed); "moments";
+        "dot" (reference {variable: [K, *shape]}); "project" (dim, seed, kind).
+        `variables` restricts every mode to the named variables.
         """
+        selected = self.select(variables)
+        if reduction != reductions.NONE:
+            return self._reduce(
+                x, y, selected, trainable, reductions.make_reduction(reduction, selected, options)
+            )
+        if options:
+            raise InvalidArgument(f"{sorted(options)}: not options of reduction 'none'")
         slices = self._slices(x, y, trainable)
-        result = out if out is not None else self._allocate(x.shape[0])
-        self._check_out(result, x.shape[0])
-        outputs = [result.gradients[v.name] for v in self.variables]
+        result = out if out is not None else self._allocate(x.shape[0], selected)
+        self._check_out(result, x.shape[0], selected)
         for start, stop, losses, grads in slices:
             result.losses[start:stop] = losses
-            for grad, output in zip(grads, outputs, strict=True):
-                materialize(grad, output[start:stop])
+            for v in selected:
+                materialize(grads[v.index], result.gradients[v.name][start:stop])
         return result
 
-    def _allocate(self, batch: int) -> GradientResult:
+    def _reduce(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        selected: Sequence[VariableSpec],
+        trainable: Sequence[tf.Tensor] | None,
+        reduction: reductions.Reduction,
+    ) -> GradientResult:
+        slices = self._slices(x, y, trainable)
+        losses = np.empty(x.shape[0], self.loss_dtype)
+        for start, stop, part, grads in slices:
+            losses[start:stop] = part
+            reduction.add({v.name: grads[v.index] for v in selected})
+        return GradientResult(losses=losses, model=self.model.name, **reduction.finish())
+
+    def _allocate(self, batch: int, selected: Sequence[VariableSpec]) -> GradientResult:
         return GradientResult(
             losses=np.empty(batch, self.loss_dtype),
-            gradients={v.name: np.empty((batch, *v.shape), v.dtype) for v in self.variables},
+            gradients={v.name: np.empty((batch, *v.shape), v.dtype) for v in selected},
             model=self.model.name,
         )
 
-    def _check_out(self, result: GradientResult, batch: int) -> None:
-        for v in self.variables:
+    @staticmethod
+    def _check_out(result: GradientResult, batch: int, selected: Sequence[VariableSpec]) -> None:
+        for v in selected:
             array = result.gradients.get(v.name)
             if (
                 array is None

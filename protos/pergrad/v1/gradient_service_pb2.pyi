@@ -1,11 +1,34 @@
 from pergrad.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Reduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCTION_NONE: _ClassVar[Reduction]
+    REDUCTION_NORMS: _ClassVar[Reduction]
+    REDUCTION_CLIPPED_SUM: _ClassVar[Reduction]
+    REDUCTION_MOMENTS: _ClassVar[Reduction]
+    REDUCTION_DOT: _ClassVar[Reduction]
+    REDUCTION_PROJECT: _ClassVar[Reduction]
+
+class ProjectionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROJECTION_KIND_RADEMACHER: _ClassVar[ProjectionKind]
+    PROJECTION_KIND_GAUSSIAN: _ClassVar[ProjectionKind]
+REDUCTION_NONE: Reduction
+REDUCTION_NORMS: Reduction
+REDUCTION_CLIPPED_SUM: Reduction
+REDUCTION_MOMENTS: Reduction
+REDUCTION_DOT: Reduction
+REDUCTION_PROJECT: Reduction
+PROJECTION_KIND_RADEMACHER: ProjectionKind
+PROJECTION_KIND_GAUSSIAN: ProjectionKind
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -74,18 +97,41 @@ class SetWeightsResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
 
 class GradientsRequest(_message.Message):
-    __slots__ = ("model", "model_version", "inputs", "labels", "request_id")
+    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection")
+    class ReferenceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REDUCTION_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NORM_FIELD_NUMBER: _ClassVar[int]
+    NOISE_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    PROJECTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     inputs: _tensor_pb2.Tensor
     labels: _tensor_pb2.Tensor
     request_id: int
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    reduction: Reduction
+    variables: _containers.RepeatedScalarFieldContainer[str]
+    max_norm: float
+    noise_multiplier: float
+    seed: int
+    reference: _containers.MessageMap[str, _tensor_pb2.Tensor]
+    dim: int
+    projection: ProjectionKind
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ...) -> None: ...
 
 class ResultTensor(_message.Message):
     __slots__ = ("field", "tensor")

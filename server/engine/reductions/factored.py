@@ -1,0 +1,103 @@
+"""Batch statistics of per-example gradients, computed from their factored form.
+
+Each function takes one variable's numpy per-example gradient (a dense [n, *shape]
+array, `Outer` or `Scatter`, see `grads.py`) and avoids forming the [n, *shape] tensor
+where the algebra allows:
+- Outer with one step: ||a (x) g||^2 = ||a||^2 ||g||^2 (Goodfellow 2015); with T steps,
+  <A A^T, G G^T> when T (I + J) < I J (Li et al. 2021, ghost clipping).
+- Scatter: ||dE||^2 = sum over step pairs with the same id of g_t . g_s.
+- sums weighted per example: (w a)^T g, one matrix product.
+Where no shortcut exists, examples are formed a block at a time (`BLOCK_BYTES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
+
+BLOCK_BYTES = 16 << 20
+
+
+def examples(grad: Grad) -> int:
+    """How many examples a per-example gradient holds."""
+    return (
+        grad.a.shape[0]
+        if isinstance(grad, Outer)
+        else (grad.ids.shape[0] if isinstance(grad, Scatter) else grad.shape[0])
+    )
+
+
+def blocks(grad: Grad, shape: tuple[int, ...], dtype: np.dtype) -> Iterator[np.ndarray]:
+    """The per-example gradients as [m, P] arrays, a block of examples at a time."""
+    count = examples(grad)
+    if not isinstance(grad, Outer | Scatter):
+        yield grad.reshape(count, -1)
+        return
+    step = max(1, BLOCK_BYTES // (int(np.prod(shape)) * dtype.itemsize))
+    buffer = np.empty((min(step, count), *shape), dtype)
+    for start in range(0, count, step):
+        stop = min(start + step, count)
+        out = buffer[: stop - start]
+        materialize(rows(grad, slice(start, stop)), out)
+        yield out.reshape(stop - start, -1)
+
+
+def _ghost(grad: Outer) -> bool:
+    steps, inputs, outputs = grad.a.shape[1], grad.a.shape[2], grad.g.shape[2]
+    return steps * (inputs + outputs) < inputs * outputs
+
+
+def squared_norms(grad: Grad, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """||grad_b||^2 for each example b, in float64."""
+    if isinstance(grad, Outer) and grad.a.shape[1] == 1:
+        a, g = grad.a[:, 0].astype(np.float64), grad.g[:, 0].astype(np.float64)
+        return np.square(a).sum(1) * np.square(g).sum(1)
+    if isinstance(grad, Outer) and _ghost(grad):
+        a, g = grad.a.astype(np.float64), grad.g.astype(np.float64)
+        return np.einsum("bts,bts->b", a @ a.transpose(0, 2, 1), g @ g.transpose(0, 2, 1))
+    if isinstance(grad, Scatter):
+        g = grad.g.astype(np.float64)
+        same = grad.ids[:, :, None] == grad.ids[:, None, :]
+        return np.einsum("bts,bts->b", g @ g.transpose(0, 2, 1), same)
+    return np.concatenate(
+        [np.square(b, dtype=np.float64).sum(1) for b in blocks(grad, shape, dtype)]
+    )
+
+
+def weighted_sum(grad: Grad, weights: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """sum_b weights_b * grad_b, shaped like the variable."""
+    weights = weights.astype(np.float32)
+    if isinstance(grad, Outer):
+        a = (grad.a * weights[:, None, None]).reshape(-1, grad.a.shape[-1])
+        return (a.T @ grad.g.reshape(-1, grad.g.shape[-1])).reshape(shape)
+    if isinstance(grad, Scatter):
+        total = np.zeros(shape, np.float32)
+        scaled = grad.g * weights[:, None, None]
+        np.add.at(total, grad.ids.ravel(), scaled.reshape(-1, shape[-1]))
+        return total
+    return np.tensordot(weights, grad, axes=1)
+
+
+def sum_of_squares(grad: Grad, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """sum_b grad_b ** 2 elementwise, shaped like the variable."""
+    if isinstance(grad, Outer) and grad.a.shape[1] == 1:
+        a, g = grad.a[:, 0], grad.g[:, 0]
+        return (np.square(a).T @ np.square(g)).reshape(shape)
+    total = np.zeros(int(np.prod(shape)), np.float32)
+    for block in blocks(grad, shape, dtype):
+        total += np.square(block).sum(0)
+    return total.reshape(shape)
+
+
+def dots(grad: Grad, reference: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """<grad_b, reference_k> for each example b and reference k: [n, K]."""
+    count, shape = examples(grad), reference.shape[1:]
+    if isinstance(grad, Outer) and grad.a.shape[1] == 1:
+        a, g = grad.a[:, 0], grad.g[:, 0]
+        kernels = reference.reshape(reference.shape[0], a.shape[1], g.shape[1])
+        return np.einsum("bkj,bj->bk", np.tensordot(a, kernels, axes=([1], [1])), g)
+    flat = reference.reshape(reference.shape[0], -1).T
+    return np.concatenate([b @ flat for b in blocks(grad, shape, dtype)]).reshape(count, -1)

@@ -1,0 +1,35 @@
+"""NORMS: each example's gradient L2 norm, whole and per variable, never forming it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from pergrad.server.engine.grads import Grad
+from pergrad.server.engine.reductions import Selected
+from pergrad.server.engine.reductions.factored import squared_norms
+
+
+def squared(variables: Sequence[Selected], grads: Mapping[str, Grad]) -> dict[str, np.ndarray]:
+    return {v.name: squared_norms(grads[v.name], v.shape, v.dtype) for v in variables}
+
+
+class Norms:
+    def __init__(self, variables: Sequence[Selected]) -> None:
+        self._variables = variables
+        self._parts: list[dict[str, np.ndarray]] = []
+
+    def add(self, grads: Mapping[str, Grad]) -> None:
+        self._parts.append(squared(self._variables, grads))
+
+    def finish(self) -> dict[str, Any]:
+        per_variable = {
+            v.name: np.concatenate([p[v.name] for p in self._parts]) for v in self._variables
+        }
+        total = sum(per_variable.values())
+        return {
+            "norms": np.sqrt(total).astype(np.float32),
+            "variable_norms": {k: np.sqrt(s).astype(np.float32) for k, s in per_variable.items()},
+        }

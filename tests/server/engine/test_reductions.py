@@ -1,0 +1,193 @@
+"""Every reduction equals the same statistic computed in numpy from full per-example tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pergrad.server.engine import Engine
+from pergrad.server.engine.reductions.project import random_matrix
+from pergrad.server.errors import InvalidArgument
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests.helpers import assert_close, tabular_model
+
+MODELS = ["mnist_mlp", "mnist_cnn", "transformer_block", "tabular"]
+_ENGINES: dict[str, Engine] = {}
+
+
+def _engine(name: str) -> Engine:
+    if name not in _ENGINES:
+        model = tabular_model() if name == "tabular" else BUILTIN_MODELS[name]()
+        loss = None if name == "tabular" else LOSS
+        _ENGINES[name] = Engine(model, loss=loss, jit_compile=False)
+    return _ENGINES[name]
+
+
+def _batch(engine: Engine, size: int = 7, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    shape = (size, *engine.input_spec.shape)
+    if engine.input_spec.dtype.kind == "i":
+        x = rng.integers(0, 1000, size=shape).astype(np.int32)
+    else:
+        x = rng.standard_normal(shape).astype(np.float32)
+    return x, rng.integers(0, engine.label_spec.num_classes, size=size).astype(np.int32)
+
+
+def _full(engine: Engine, x, y) -> dict[str, np.ndarray]:
+    return {
+        k: v.astype(np.float64) for k, v in engine.per_example_gradients(x, y).gradients.items()
+    }
+
+
+def _flat_norms(full: dict[str, np.ndarray]) -> np.ndarray:
+    return np.sqrt(sum(np.square(g.reshape(len(g), -1)).sum(1) for g in full.values()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_norms_match_norms_of_full_tensors(name: str) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine)
+    full = _full(engine, x, y)
+    result = engine.per_example_gradients(x, y, reduction="norms")
+    assert_close({"norms": result.norms}, {"norms": _flat_norms(full)})
+    expected = {k: np.sqrt(np.square(g.reshape(len(g), -1)).sum(1)) for k, g in full.items()}
+    assert_close(result.variable_norms, expected)
+    assert result.gradients == {}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_clipped_sum_matches_clipping_full_tensors(name: str) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine)
+    full = _full(engine, x, y)
+    norms = _flat_norms(full)
+    middle = np.sort(norms)[len(norms) // 2 - 1 : len(norms) // 2 + 1]
+    max_norm = float(middle.mean())  # between two norms: no example sits on the bound
+    result = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=max_norm)
+    scale = np.minimum(1.0, max_norm / norms)
+    expected = {k: np.tensordot(scale, g, axes=1) for k, g in full.items()}
+    assert_close(result.clipped_sum, expected)
+    assert result.num_clipped == int((norms > max_norm).sum()) > 0
+    assert_close({"norms": result.norms}, {"norms": norms})
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_moments_match_sums_of_full_tensors(name: str) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine)
+    full = _full(engine, x, y)
+    result = engine.per_example_gradients(x, y, reduction="moments")
+    assert_close(result.sum, {k: g.sum(0) for k, g in full.items()})
+    assert_close(result.sum_squares, {k: np.square(g).sum(0) for k, g in full.items()})
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_dots_match_dots_of_full_tensors(name: str) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine)
+    full = _full(engine, x, y)
+    rng = np.random.default_rng(3)
+    reference = {
+        k: rng.standard_normal((3, *g.shape[1:])).astype(np.float32) for k, g in full.items()
+    }
+    result = engine.per_example_gradients(x, y, reduction="dot", reference=reference)
+    expected = sum(
+        g.reshape(len(g), -1) @ reference[k].reshape(3, -1).T.astype(np.float64)
+        for k, g in full.items()
+    )
+    assert_close({"dots": result.dots}, {"dots": expected})
+
+
+def _projection_matrix(engine: Engine, name: str, dim: int, seed: int, kind: str) -> np.ndarray:
+    """The dense [dim, P] matrix the factored projection stands for."""
+    v = next(v for v in engine.variables if v.name == name)
+    size = int(np.prod(v.shape))
+    if name not in engine.factored:
+        return random_matrix(seed, v.index, 0, dim, size, kind)
+    u = random_matrix(seed, v.index, 0, dim, v.shape[0], kind)
+    w = random_matrix(seed, v.index, 1, dim, v.shape[-1], kind)
+    return (u[:, :, None] * w[:, None, :]).reshape(dim, size)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("name", MODELS)
+def test_projections_match_the_dense_projection_matrix(name: str, kind: str) -> None:
+    engine = _engine(name)
+    x, y = _batch(engine)
+    full = _full(engine, x, y)
+    result = engine.per_example_gradients(x, y, reduction="project", dim=16, seed=5, kind=kind)
+    expected = sum(
+        g.reshape(len(g), -1) @ _projection_matrix(engine, k, 16, 5, kind).T.astype(np.float64)
+        for k, g in full.items()
+    ) / np.sqrt(16)
+    assert_close({"projections": result.projections}, {"projections": expected})
+
+
+def test_projection_preserves_norms_on_average() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine, size=16)
+    result = engine.per_example_gradients(x, y, reduction="project", dim=4096, seed=1)
+    norms = engine.per_example_gradients(x, y, reduction="norms").norms
+    ratio = np.linalg.norm(result.projections, axis=1) / norms
+    # JL with k=4096 rows: each ratio is within a few percent of 1.
+    assert np.all(np.abs(ratio - 1) < 0.1), ratio
+
+
+def test_same_seed_gives_the_same_projection_on_another_engine() -> None:
+    first = _engine("mnist_cnn")
+    second = Engine(BUILTIN_MODELS["mnist_cnn"](), loss=LOSS, jit_compile=False, slice_bytes=1)
+    x, y = _batch(first)
+    a = first.per_example_gradients(x, y, reduction="project", dim=32, seed=9)
+    b = second.per_example_gradients(x, y, reduction="project", dim=32, seed=9)
+    c = first.per_example_gradients(x, y, reduction="project", dim=32, seed=10)
+    assert_close({"p": a.projections}, {"p": b.projections})
+    assert not np.allclose(a.projections, c.projections)
+
+
+def test_clipped_sum_noise_is_reproducible_and_has_the_requested_std() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine)
+    options = {"reduction": "clipped_sum", "max_norm": 0.5, "noise_multiplier": 2.0, "seed": 4}
+    first = engine.per_example_gradients(x, y, **options)
+    again = engine.per_example_gradients(x, y, **options)
+    clean = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=0.5)
+    for name, value in first.clipped_sum.items():
+        assert value.tobytes() == again.clipped_sum[name].tobytes()
+    noise = first.clipped_sum["hidden/kernel"] - clean.clipped_sum["hidden/kernel"]
+    # 100,352 draws: the sample std is within 1% of 2.0 * 0.5 with overwhelming probability.
+    assert abs(noise.std() - 1.0) < 0.01
+    assert abs(noise.mean()) < 0.01
+
+
+def test_variables_filter_limits_every_output() -> None:
+    engine = _engine("mnist_cnn")
+    x, y = _batch(engine)
+    full = _full(engine, x, y)
+    chosen = ["logits/kernel", "logits/bias"]
+    result = engine.per_example_gradients(x, y, reduction="norms", variables=chosen)
+    assert sorted(result.variable_norms) == sorted(chosen)
+    assert_close({"norms": result.norms}, {"norms": _flat_norms({k: full[k] for k in chosen})})
+    grads = engine.per_example_gradients(x, y, variables=["logits/bias"]).gradients
+    assert list(grads) == ["logits/bias"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"reduction": "median"}, "reduction: unknown 'median'"),
+        ({"reduction": "clipped_sum"}, "max_norm: clipped_sum needs a positive bound"),
+        ({"reduction": "clipped_sum", "max_norm": -1.0}, "positive bound, got -1.0"),
+        ({"reduction": "norms", "max_norm": 1.0}, "not options of reduction 'norms'"),
+        ({"max_norm": 1.0}, "not options of reduction 'none'"),
+        ({"reduction": "project"}, "dim: project needs 1 <= dim"),
+        ({"reduction": "project", "dim": 4, "kind": "sparse"}, "unknown kind 'sparse'"),
+        ({"reduction": "dot", "reference": {}}, "missing ['hidden/bias'"),
+        ({"variables": ["nope"]}, "variables: unknown ['nope']"),
+    ],
+)
+def test_bad_reduction_options_are_refused(kwargs: dict, message: str) -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine, size=2)
+    with pytest.raises(InvalidArgument) as err:
+        engine.per_example_gradients(x, y, **kwargs)
+    assert message in str(err.value)
