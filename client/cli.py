@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from pergrad.client import GradientClient, ModelInfo, PergradError
+from pergrad.client import GradientClient, GradientResult, ModelInfo, PergradError
 
 DEFAULT_TARGET = os.environ.get("PERGRAD_TARGET", "localhost:50051")
 
@@ -39,31 +39,56 @@ def _batches(x: np.ndarray, y: np.ndarray, size: int) -> Iterator[tuple[np.ndarr
         yield x[start : start + size], y[start : start + size]
 
 
+# Per-example fields are written row by row; the others are summed over all batches.
+_PER_EXAMPLE = {"losses": "losses", "norms": "norms", "projections": "projections"}
+_PER_EXAMPLE_BY_VARIABLE = {"gradients": "grad", "variable_norms": "norm"}
+_SUMMED_BY_VARIABLE = {"sum": "sum", "sum_squares": "sum_squares"}
+
+
+def _named(result: GradientResult) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(per-example arrays, arrays summed over batches) of one result, by npz key."""
+    rows = {key: getattr(result, field) for field, key in _PER_EXAMPLE.items()}
+    rows = {key: value for key, value in rows.items() if value is not None}
+    for field, prefix in _PER_EXAMPLE_BY_VARIABLE.items():
+        rows |= {f"{prefix}/{name}": v for name, v in getattr(result, field).items()}
+    sums = {}
+    for field, prefix in _SUMMED_BY_VARIABLE.items():
+        sums |= {f"{prefix}/{name}": v for name, v in getattr(result, field).items()}
+    return rows, sums
+
+
 def _grads(args: argparse.Namespace) -> int:
     with np.load(args.data) as data:
         x, y = data[args.x_key], data[args.y_key]
     if len(x) != len(y):
         raise SystemExit(f"{args.data}: {len(x)} inputs but {len(y)} labels")
+    options = {"dim": args.dim, "seed": args.seed} if args.reduction == "project" else {}
     out: dict[str, np.ndarray] = {}
     with GradientClient(args.target, timeout=args.timeout) as client:
-        results = client.stream(args.model, _batches(x, y, args.batch_size))
+        results = client.stream(
+            args.model,
+            _batches(x, y, args.batch_size),
+            reduction=args.reduction,
+            variables=args.variables,
+            **options,
+        )
         progress = tqdm(total=len(x), unit="ex", disable=args.quiet)
         start = 0
         for result in results:
             stop = start + result.batch_size
-            named = {"losses": result.losses, "norms": result.gradient_norms()}
-            named |= {f"grad/{name}": grad for name, grad in result.gradients.items()}
-            for key, value in named.items():
+            rows, sums = _named(result)
+            for key, value in rows.items():
                 if key not in out:
                     out[key] = np.empty((len(x), *value.shape[1:]), dtype=value.dtype)
                 out[key][start:stop] = value
+            for key, value in sums.items():
+                out[key] = out[key] + value if key in out else value.copy()
             out["model_version"] = np.asarray(result.model_version)
             start = stop
             progress.update(result.batch_size)
         progress.close()
     np.savez(args.out, **out)
-    grads = sum(key.startswith("grad/") for key in out)
-    print(f"wrote {args.out}: {len(x)} examples, {grads} gradient tensors")
+    print(f"wrote {args.out}: {len(x)} examples, {len(out) - 1} arrays ({args.reduction})")
     return 0
 
 
@@ -96,6 +121,16 @@ def _parser() -> argparse.ArgumentParser:
     grads.add_argument("--x-key", default="x", help="inputs array in --data")
     grads.add_argument("--y-key", default="y", help="labels array in --data")
     grads.add_argument("--batch-size", type=int, default=64)
+    grads.add_argument(
+        "--reduction",
+        default="none",
+        choices=["none", "norms", "moments", "project"],
+        help="none: grad/<variable> [N, *shape]; norms: norms [N], norm/<variable>; "
+        "moments: sum/<variable>, sum_squares/<variable>; project: projections [N, dim]",
+    )
+    grads.add_argument("--variables", nargs="+", help="only these variables")
+    grads.add_argument("--dim", type=int, default=512, help="features per example (project)")
+    grads.add_argument("--seed", type=int, default=0, help="projection seed (project)")
     grads.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -16,12 +16,13 @@ import pytest
 from pergrad.client import GradientClient
 
 PERGRAD = [sys.executable, "-m", "pergrad.client.cli"]
+SERVE = [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[subprocess.Popen, str]]:
     process = subprocess.Popen(
-        [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--model", "mnist_mlp"],
+        [*SERVE, "--model", "mnist_mlp"],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -71,15 +72,50 @@ def test_grads_writes_per_example_gradients_of_a_dataset(served, tmp_path: Path)
         str(tmp_path / "g.npz"),
     )
     assert run.returncode == 0, run.stderr
-    assert "wrote" in run.stdout and "10 examples, 4 gradient tensors" in run.stdout
+    assert "wrote" in run.stdout and "10 examples, 5 arrays (none)" in run.stdout
     written = np.load(tmp_path / "g.npz")
     with GradientClient(target) as client:
         direct = client.per_example_gradients("mnist_mlp", x, y)
     np.testing.assert_allclose(
         written["grad/hidden/kernel"], direct.gradients["hidden/kernel"], rtol=1e-5, atol=1e-7
     )
-    np.testing.assert_allclose(written["norms"], direct.gradient_norms(), rtol=1e-5)
     assert written["losses"].shape == (10,)
+
+
+def test_grads_writes_server_side_norms_and_projections(served, tmp_path: Path) -> None:
+    _, target = served
+    rng = np.random.default_rng(1)
+    x, y = rng.random((6, 784), dtype=np.float32), rng.integers(0, 10, 6)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    with GradientClient(target) as client:
+        direct = client.per_example_gradients("mnist_mlp", x, y)
+    for reduction in ("norms", "project"):
+        out = tmp_path / f"{reduction}.npz"
+        run = _run(
+            "grads",
+            "--target",
+            target,
+            "--model",
+            "mnist_mlp",
+            "--batch-size",
+            "4",
+            "--reduction",
+            reduction,
+            "--dim",
+            "8",
+            "--quiet",
+            "--data",
+            str(tmp_path / "data.npz"),
+            "--out",
+            str(out),
+        )
+        assert run.returncode == 0, run.stderr
+        written = np.load(out)
+        assert "grad/hidden/kernel" not in written
+    np.testing.assert_allclose(
+        np.load(tmp_path / "norms.npz")["norms"], direct.gradient_norms(), rtol=1e-5
+    )
+    assert np.load(tmp_path / "project.npz")["projections"].shape == (6, 8)
 
 
 def test_unknown_model_fails_with_the_server_message(served, tmp_path: Path) -> None:
