@@ -26,6 +26,7 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/reductions.py
 
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos \
