@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from pergrad.v1 import tensor_pb2 as pb
@@ -19,6 +20,7 @@ _NUMPY_DTYPES: dict[int, np.dtype] = {
     pb.DATA_TYPE_FLOAT32: np.dtype("<f4"),
     pb.DATA_TYPE_FLOAT64: np.dtype("<f8"),
     pb.DATA_TYPE_FLOAT16: np.dtype("<f2"),
+    pb.DATA_TYPE_BFLOAT16: np.dtype(ml_dtypes.bfloat16),
     pb.DATA_TYPE_INT32: np.dtype("<i4"),
     pb.DATA_TYPE_INT64: np.dtype("<i8"),
     pb.DATA_TYPE_UINT8: np.dtype("u1"),

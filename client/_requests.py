@@ -11,8 +11,14 @@ import numpy as np
 from pergrad.client._codec import encode_tensor
 from pergrad.client._types import ModelInfo, PergradError, TensorInfo
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2 as pb_tensor
 
 _SCALAR_OPTIONS = ("max_norm", "noise_multiplier", "seed", "dim")
+WIRE_DTYPES = {
+    "float32": pb_tensor.DATA_TYPE_FLOAT32,
+    "float16": pb_tensor.DATA_TYPE_FLOAT16,
+    "bfloat16": pb_tensor.DATA_TYPE_BFLOAT16,
+}
 
 
 def _invalid(message: str) -> PergradError:
@@ -72,13 +78,17 @@ def gradients_request(
     reduction: str,
     variables: Sequence[str] | None,
     options: Mapping[str, Any],
+    wire_dtype: str | None = None,
     request_id: int = 0,
 ) -> pb.GradientsRequest:
+    if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+        raise _invalid(f"wire_dtype: {wire_dtype!r} is not one of {sorted(WIRE_DTYPES)}")
     return pb.GradientsRequest(
         model=info.name,
         model_version=model_version,
         inputs=encode_tensor(cast(x, info.input, what="inputs")),
         labels=encode_tensor(cast(y, info.labels, what="labels")),
         request_id=request_id,
+        wire_dtype=WIRE_DTYPES.get(wire_dtype or "", pb_tensor.DATA_TYPE_UNSPECIFIED),
         **_reduction_fields(reduction, variables, options),
     )

@@ -82,7 +82,9 @@ def result_from_arrays(header: pb.ResultHeader, arrays: Sequence[np.ndarray]) ->
             )
     if "losses" not in fields:
         raise PergradError(grpc.StatusCode.INTERNAL, "server sent a result without losses")
-    return GradientResult(model_version=header.model_version, model=header.model, **fields)
+    return GradientResult(
+        model_version=header.model_version, model=header.model, server=header.server, **fields
+    )
 
 
 def read_results(responses: Iterator[pb.GradientsResponse]) -> Iterator[tuple[int, GradientResult]]:

@@ -43,6 +43,7 @@ class ModelInfo:
     labels: TensorInfo
     loss: str
     num_classes: int
+    server: str = ""
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
@@ -54,6 +55,7 @@ class ModelInfo:
             labels=TensorInfo.from_proto(info.labels),
             loss=info.loss,
             num_classes=info.num_classes,
+            server=info.server,
         )
 
     @property
@@ -78,6 +80,7 @@ class GradientResult:
         projections: [B, dim] random projections ("project").
         model_version: the weights version every tensor was computed with.
         model: the model's name.
+        server: the replica(s) that computed it.
     """
 
     losses: np.ndarray
@@ -92,6 +95,7 @@ class GradientResult:
     sum_squares: dict[str, np.ndarray] = field(default_factory=dict)
     dots: np.ndarray | None = None
     projections: np.ndarray | None = None
+    server: str = ""
 
     @property
     def batch_size(self) -> int:

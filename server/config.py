@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ class ConfigError(ValueError):
 class Config:
     host: str = "0.0.0.0"
     port: int = 50051
+    metrics_port: int = 9090
     models: tuple[str, ...] = ()
     model_dir: Path | None = None
     loss: str | None = None
@@ -28,11 +30,16 @@ class Config:
     workers: int = 8
     grace_s: float = 10.0
     jit_compile: str = "auto"
+    replica_name: str = f"{socket.gethostname()}/{os.getpid()}"
+    max_connection_age_s: float = 300.0
     log_level: str = "INFO"
 
     def validate(self) -> Config:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        for flag, port in [("--port", self.port), ("--metrics-port", self.metrics_port)]:
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{flag} must be in [0, 65535], got {port}")
+        if self.metrics_port == self.port != 0:
+            raise ConfigError(f"--metrics-port must differ from --port, both are {self.port}")
         for flag, value in [
             ("--max-batch", self.max_batch),
             ("--max-request-bytes", self.max_request_bytes),
@@ -44,6 +51,10 @@ class Config:
         if self.jit_compile not in JIT_CHOICES:
             raise ConfigError(
                 f"--jit-compile must be one of {sorted(JIT_CHOICES)}, got {self.jit_compile!r}"
+            )
+        if not self.max_connection_age_s > 0:
+            raise ConfigError(
+                f"--max-connection-age must be positive, got {self.max_connection_age_s}"
             )
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
@@ -61,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Config()
     parser.add_argument("--host", default=_env("HOST", d.host), help="address to bind")
     parser.add_argument("--port", default=_env("PORT", d.port), help="0 picks a free port")
+    parser.add_argument(
+        "--metrics-port",
+        default=_env("METRICS_PORT", d.metrics_port),
+        help="HTTP port of the Prometheus /metrics endpoint; 0 picks a free port",
+    )
     parser.add_argument(
         "--model",
         action="append",
@@ -96,6 +112,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("JIT_COMPILE", d.jit_compile),
         help="XLA: auto (measured per model), on or off",
     )
+    parser.add_argument(
+        "--replica-name",
+        default=_env("REPLICA_NAME", d.replica_name),
+        help="names this server in results (default: hostname/pid)",
+    )
+    parser.add_argument(
+        "--max-connection-age",
+        dest="max_connection_age_s",
+        default=_env("MAX_CONNECTION_AGE", d.max_connection_age_s),
+        help="seconds before a client connection is closed so clients re-resolve replicas",
+    )
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
 
 
@@ -114,6 +141,7 @@ def from_args(args: argparse.Namespace) -> Config:
     return Config(
         host=args.host,
         port=_number(args, "port", int),
+        metrics_port=_number(args, "metrics_port", int),
         models=tuple(args.models or env_models),
         model_dir=Path(args.model_dir) if args.model_dir else None,
         loss=args.loss,
@@ -123,6 +151,8 @@ def from_args(args: argparse.Namespace) -> Config:
         workers=_number(args, "workers", int),
         grace_s=_number(args, "grace_s", float),
         jit_compile=str(args.jit_compile),
+        replica_name=str(args.replica_name),
+        max_connection_age_s=_number(args, "max_connection_age_s", float),
         log_level=str(args.log_level).upper(),
     ).validate()
 

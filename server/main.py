@@ -15,6 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
+from pergrad.server.interceptors import MetricsInterceptor
+from pergrad.server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.keras_file import ModelLoadError
 from pergrad.server.models.registry import ModelRegistry, load_model
@@ -41,11 +43,19 @@ class RunningServer:
     server: grpc.Server
     port: int
     health: health.HealthServicer
+    metrics: ServerMetrics
+    metrics_endpoint: MetricsEndpoint
+
+    @property
+    def metrics_port(self) -> int:
+        """The port of http://host:metrics_port/metrics."""
+        return self.metrics_endpoint.port
 
     def stop(self, grace_s: float) -> None:
-        """Report NOT_SERVING, then let in-flight calls finish for up to `grace_s`."""
+        """Report NOT_SERVING, let in-flight calls finish for up to `grace_s`, stop metrics."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        self.metrics_endpoint.close()
 
 
 def build_registry(config: Config) -> ModelRegistry:
@@ -61,17 +71,55 @@ def build_registry(config: Config) -> ModelRegistry:
     )
 
 
+def server_options(config: Config) -> list[tuple[str, int]]:
+    """Message limits, and a keepalive policy that admits the client's pings (one a
+    minute, `pergrad.client._channels`); connections end after max_connection_age so
+    clients re-resolve and spread over replicas added since."""
+    age_ms = int(1000 * config.max_connection_age_s)
+    return [
+        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.max_connection_age_ms", age_ms),
+        ("grpc.max_connection_age_grace_ms", int(1000 * config.grace_s) + 30_000),
+    ]
+
+
 def start(config: Config, registry: ModelRegistry | None = None) -> RunningServer:
-    """Start serving (port 0 picks a free one); returns at once."""
+    """Start serving gRPC and /metrics (port 0 picks a free one); returns at once."""
     registry = registry or build_registry(config)
+    metrics = ServerMetrics()
+    for name in registry.names:
+        metrics.model_served(name, registry.get(name).weights.current.version)
+    endpoint = serve_metrics(metrics, config.host, config.metrics_port)
+    try:
+        server, health_servicer, port = _start_grpc(config, registry, metrics)
+    except BaseException:
+        endpoint.close()
+        raise
+    _LOGGER.info(
+        "pergrad ready on %s:%d serving %s, metrics on http://%s:%d/metrics",
+        config.host,
+        port,
+        registry.names,
+        config.host,
+        endpoint.port,
+    )
+    return RunningServer(server, port, health_servicer, metrics, endpoint)
+
+
+def _start_grpc(
+    config: Config, registry: ModelRegistry, metrics: ServerMetrics
+) -> tuple[grpc.Server, health.HealthServicer, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers),
-        options=[
-            ("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_send_message_length", -1),
-        ],
+        interceptors=[MetricsInterceptor(metrics)],
+        options=server_options(config),
     )
-    pb_grpc.add_GradientServiceServicer_to_server(GradientServicer(registry, config), server)
+    pb_grpc.add_GradientServiceServicer_to_server(
+        GradientServicer(registry, config, metrics), server
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -83,12 +131,11 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _LOGGER.info("pergrad ready on %s:%d serving %s", config.host, port, registry.names)
-    return RunningServer(server, port, health_servicer)
+    return server, health_servicer, port
 
 
 def serve(argv: Sequence[str]) -> int:
-    """Run until SIGTERM or SIGINT; exit status 2 for a configuration or model error."""
+    """Run until SIGTERM or SIGINT; exit status 2 for a configuration, model or port error."""
     try:
         config = parse(argv)
         logging.basicConfig(
@@ -96,7 +143,7 @@ def serve(argv: Sequence[str]) -> int:
         )
         configure_devices()
         running = start(config)
-    except (ConfigError, ModelLoadError) as err:
+    except (ConfigError, ModelLoadError, OSError) as err:
         print(f"pergrad serve: {err}", file=sys.stderr)
         return 2
     stopping = threading.Event()

@@ -29,7 +29,9 @@ from pergrad.client._results import header_for_shapes, result_outputs
 from pergrad.server.config import Config
 from pergrad.server.engine import reductions
 from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
+from pergrad.server.prefetch import prefetched
 from pergrad.server.reduction_request import reduction_request
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -39,13 +41,16 @@ from pergrad.v1 import tensor_pb2
 _LOGGER = logging.getLogger(__name__)
 
 
-def _abort(context: grpc.ServicerContext, err: Exception) -> None:
+def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics) -> None:
     if isinstance(err, PergradServerError):
-        context.abort(grpc.StatusCode[err.code], str(err))
-    if isinstance(err, CodecError):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-    _LOGGER.exception("internal error")
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+        code, message = grpc.StatusCode[err.code], str(err)
+    elif isinstance(err, CodecError):
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    else:
+        _LOGGER.exception("internal error")
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+    metrics.request_rejected(code)
+    context.abort(code, message)
 
 
 def _status(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,7 +62,7 @@ def _status(method: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 yield from method(self, request, context)
             except Exception as err:
-                _abort(context, err)
+                _abort(context, err, self._metrics)
 
         return streaming
 
@@ -66,7 +71,7 @@ def _status(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except Exception as err:
-            _abort(context, err)
+            _abort(context, err, self._metrics)
 
     return unary
 
@@ -80,9 +85,12 @@ def _batched_spec(
 
 
 class GradientServicer(pb_grpc.GradientServiceServicer):
-    def __init__(self, registry: ModelRegistry, config: Config) -> None:
+    def __init__(
+        self, registry: ModelRegistry, config: Config, metrics: ServerMetrics | None = None
+    ) -> None:
         self._registry = registry
         self._config = config
+        self._metrics = metrics if metrics is not None else ServerMetrics()
 
     @_status
     def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -103,6 +111,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             labels=_batched_spec("labels", engine.label_spec.dtype, engine.label_spec.shape),
             loss=engine.loss.description,
             num_classes=engine.label_spec.num_classes,
+            server=self._config.replica_name,
         )
 
     @_status
@@ -131,16 +140,20 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             raise InvalidArgument("SetWeights: the first message must be a WeightsHeader")
         header = first.header
         served = self._registry.get(header.model)
-        served.weights.check(
-            [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
-        )
-        assembler = TensorAssembler(header.tensors)
-        for message in request_iterator:
-            if not message.HasField("chunk"):
-                raise InvalidArgument("SetWeights: one header first, then only chunks")
-            assembler.add(message.chunk)
-        arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
-        version = served.weights.replace(arrays, expected_version=header.model_version)
+        with self._metrics.weights_update(served.name) as update:
+            served.weights.check(
+                [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
+            )
+            assembler = TensorAssembler(header.tensors)
+            for message in request_iterator:
+                if not message.HasField("chunk"):
+                    raise InvalidArgument("SetWeights: one header first, then only chunks")
+                assembler.add(message.chunk)
+            arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
+            version = served.weights.replace(
+                arrays, expected_version=header.model_version, new_version=header.new_version
+            )
+            update.succeeded(version)
         _LOGGER.info("model %s: weights version %d", served.name, version)
         return pb.SetWeightsResponse(model=served.name, model_version=version)
 
@@ -148,7 +161,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse]:
-        yield from self._gradients(request, context)
+        yield from self._metrics.gradients(self._gradients(request, context), context)
 
     @_status
     def StreamPerExampleGradients(
@@ -156,7 +169,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     ) -> Iterator[pb.GradientsResponse]:
         for request in request_iterator:
             try:
-                yield from self._gradients(request, context)
+                yield from self._metrics.gradients(self._gradients(request, context), context)
             except PergradServerError as err:
                 raise type(err)(f"request {request.request_id}: {err}") from err
 
@@ -181,8 +194,11 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         x, y = self._decode_batch(request)
         snapshot = served.weights.get(request.model_version)
         asked = reduction_request(request)
+        wire = request.wire_dtype
         if asked.name == reductions.NONE and not asked.options:
-            parts = self._full_gradients(served, snapshot, x, y, asked.variables, context)
+            parts = self._full_gradients(served, snapshot, x, y, asked.variables, wire, context)
+        elif wire:
+            raise InvalidArgument("wire_dtype: applies to full gradients (reduction none) only")
         else:
             result = served.engine.per_example_gradients(
                 x,
@@ -204,7 +220,11 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     ) -> Iterator[pb.ResultHeader | tensor_pb2.TensorChunk]:
         outputs, arrays = result_outputs(result)
         yield pb.ResultHeader(
-            model=model, model_version=version, batch_size=result.batch_size, outputs=outputs
+            model=model,
+            model_version=version,
+            batch_size=result.batch_size,
+            outputs=outputs,
+            server=self._config.replica_name,
         )
         for index, array in enumerate(arrays):
             yield from iter_chunks(index, array, chunk_bytes=self._config.chunk_bytes)
@@ -216,22 +236,38 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         x: np.ndarray,
         y: np.ndarray,
         variables: list[str] | None,
+        wire: int,
         context: grpc.ServicerContext,
     ) -> Iterator[pb.ResultHeader | tensor_pb2.TensorChunk]:
-        """Full per-example gradients, streamed block by block as they are computed."""
+        """Full per-example gradients, streamed block by block.
+
+        A thread computes block k+1 while block k is serialized and sent; the engine
+        rotates three sets of block buffers, enough for one block being sent, one
+        waiting and one being filled.
+        """
         engine = served.engine
-        slices = engine.iter_slices(x, y, variables=variables, trainable=snapshot.trainable)
-        yield header_for_shapes(
+        selected = engine.select(variables)
+        dtypes = [numpy_dtype(wire) if wire else v.dtype for v in selected]
+        if any(d.kind != "f" for d in dtypes):
+            raise InvalidArgument("wire_dtype: must be a floating-point type")
+        blocks = engine.iter_slices(
+            x, y, variables=variables, trainable=snapshot.trainable, buffer_sets=3
+        )
+        header = header_for_shapes(
             model=served.name,
             model_version=snapshot.version,
             batch_size=x.shape[0],
             loss_dtype=engine.loss_dtype,
-            variables=[(v.name, v.dtype, v.shape) for v in engine.select(variables)],
+            variables=[(v.name, d, v.shape) for v, d in zip(selected, dtypes, strict=True)],
         )
-        for part in slices:
-            if not context.is_active():
-                return
-            for index, array in enumerate([part.losses, *part.gradients]):
+        header.server = self._config.replica_name
+        yield header
+        for part in prefetched(blocks, stop=lambda: not context.is_active()):
+            arrays = [
+                part.losses,
+                *(g.astype(d, copy=False) for g, d in zip(part.gradients, dtypes, strict=True)),
+            ]
+            for index, array in enumerate(arrays):
                 start = part.start * (array.nbytes // array.shape[0])
                 yield from iter_chunks(
                     index, array, start=start, chunk_bytes=self._config.chunk_bytes

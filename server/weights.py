@@ -67,8 +67,14 @@ class WeightsStore:
                     f"variable is {spec.dtype.name} {list(spec.shape)}"
                 )
 
-    def replace(self, arrays: Mapping[str, np.ndarray], *, expected_version: int = 0) -> int:
-        """Swap in new values for every variable at once; returns the new version."""
+    def replace(
+        self, arrays: Mapping[str, np.ndarray], *, expected_version: int = 0, new_version: int = 0
+    ) -> int:
+        """Swap in new values for every variable at once; returns the new version.
+
+        `new_version`, if given, must exceed the current one (replicas kept in step by
+        one client all get the same version); else the version grows by one.
+        """
         self.check([(name, array.dtype, array.shape) for name, array in arrays.items()])
         tensors = tuple(tf.constant(arrays[spec.name]) for spec in self._variables)
         with self._lock:
@@ -78,8 +84,13 @@ class WeightsStore:
                     f"expected version {expected_version}, but current is {current}; "
                     "another update came first"
                 )
-            self._current = Snapshot(current + 1, tensors)
-            return current + 1
+            if new_version and new_version <= current:
+                raise FailedPrecondition(
+                    f"new_version {new_version} does not exceed the current version {current}"
+                )
+            version = new_version or current + 1
+            self._current = Snapshot(version, tensors)
+            return version
 
     def arrays(self, snapshot: Snapshot) -> dict[str, np.ndarray]:
         return {

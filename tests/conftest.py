@@ -28,6 +28,7 @@ def _config(model_dir: Path, *models: str) -> Config:
     return Config(
         host="127.0.0.1",
         port=0,
+        metrics_port=0,
         models=models,
         model_dir=model_dir,
         max_batch=512,

@@ -239,16 +239,20 @@ class Engine:
         variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        buffer_sets: int = 1,
     ) -> Iterator[SliceResult]:
         """Full per-example gradients in blocks of about `block_bytes` of examples.
 
-        Each block's arrays are reused by the next: consume a block before asking for more.
+        Blocks take turns over `buffer_sets` sets of arrays: a block's arrays are
+        overwritten `buffer_sets` blocks later, so consume them before then.
         """
         selected = self.select(variables)
         slices = self._slices(x, y, trainable)
         bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected)
         block = max(1, min(self.slice_size, block_bytes // bytes_per_example))
-        buffers = [np.empty((block, *v.shape), v.dtype) for v in selected]
+        buffers = [
+            [np.empty((block, *v.shape), v.dtype) for v in selected] for _ in range(buffer_sets)
+        ]
         return self._blocks(slices, selected, block, buffers)
 
     @staticmethod
@@ -256,12 +260,14 @@ class Engine:
         slices: Iterator[tuple[int, int, np.ndarray, list[Grad]]],
         selected: Sequence[VariableSpec],
         block: int,
-        buffers: list[np.ndarray],
+        buffers: list[list[np.ndarray]],
     ) -> Iterator[SliceResult]:
+        turn = 0
         for start, stop, losses, grads in slices:
             for lo in range(0, stop - start, block):
                 hi = min(lo + block, stop - start)
-                outs = [buffer[: hi - lo] for buffer in buffers]
+                outs = [buffer[: hi - lo] for buffer in buffers[turn % len(buffers)]]
+                turn += 1
                 for v, out in zip(selected, outs, strict=True):
                     materialize(rows(grads[v.index], slice(lo, hi)), out)
                 yield SliceResult(start + lo, start + hi, losses[lo:hi], outs)

@@ -32,6 +32,16 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert config.port == 7000 and config.models == ("mnist_cnn",)
 
 
+def test_metrics_port_defaults_to_9090_and_reads_its_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PERGRAD_METRICS_PORT", raising=False)
+    assert parse([]).metrics_port == 9090
+    monkeypatch.setenv("PERGRAD_METRICS_PORT", "9100")
+    assert parse([]).metrics_port == 9100
+    assert parse(["--metrics-port", "0"]).metrics_port == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -39,6 +49,8 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         (["--max-batch", "0"], "--max-batch must be positive"),
         (["--workers", "-1"], "--workers must be positive"),
         (["--grace", "-2"], "--grace must be >= 0"),
+        (["--metrics-port", "70000"], "--metrics-port must be in"),
+        (["--port", "7000", "--metrics-port", "7000"], "--metrics-port must differ from --port"),
         (["--model-dir", "/nonexistent/models"], "is not a directory"),
     ],
 )

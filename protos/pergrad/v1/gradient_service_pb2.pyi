@@ -47,7 +47,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes")
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ModelInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_version: int
     variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
@@ -62,7 +63,8 @@ class ModelInfo(_message.Message):
     labels: _tensor_pb2.TensorSpec
     loss: str
     num_classes: int
-    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ...) -> None: ...
+    server: str
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ...) -> None: ...
 
 class GetWeightsRequest(_message.Message):
     __slots__ = ("model",)
@@ -71,14 +73,16 @@ class GetWeightsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("model", "model_version", "tensors")
+    __slots__ = ("model", "model_version", "tensors", "new_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+    new_version: int
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., new_version: _Optional[int] = ...) -> None: ...
 
 class WeightsMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -97,7 +101,7 @@ class SetWeightsResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
 
 class GradientsRequest(_message.Message):
-    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection")
+    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype")
     class ReferenceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,7 @@ class GradientsRequest(_message.Message):
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     inputs: _tensor_pb2.Tensor
@@ -131,7 +136,8 @@ class GradientsRequest(_message.Message):
     reference: _containers.MessageMap[str, _tensor_pb2.Tensor]
     dim: int
     projection: ProjectionKind
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ...) -> None: ...
+    wire_dtype: _tensor_pb2.DataType
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ...) -> None: ...
 
 class ResultTensor(_message.Message):
     __slots__ = ("field", "tensor")
@@ -142,16 +148,18 @@ class ResultTensor(_message.Message):
     def __init__(self, field: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("model", "model_version", "batch_size", "outputs")
+    __slots__ = ("model", "model_version", "batch_size", "outputs", "server")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     batch_size: int
     outputs: _containers.RepeatedCompositeFieldContainer[ResultTensor]
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ...) -> None: ...
+    server: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ...) -> None: ...
 
 class GradientsResponse(_message.Message):
     __slots__ = ("request_id", "header", "chunk")

@@ -1,0 +1,70 @@
+"""Channels to one server or many: gRPC's resolver and round_robin do the spreading.
+
+`ipv4:h1:50051,h2:50051` names a fixed list, `dns:///name:50051` a Kubernetes headless
+Service (every A record is a replica). Calls go through one channel whose service config
+picks `round_robin` and retries UNAVAILABLE; calls that must reach every replica
+(SetWeights) use one channel per address.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+
+from pergrad.v1 import gradient_service_pb2 as pb
+
+MAX_RECEIVE_BYTES = 64 << 20
+SERVICE = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
+
+# Retries happen only before a response arrives; a replica that dies mid-stream is
+# retried by the client itself (requests are idempotent).
+SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [
+        {
+            "name": [{"service": SERVICE}],
+            "retryPolicy": {
+                "maxAttempts": 4,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
+}
+
+# Keepalive pings every 60 s, within what the server permits (one per 30 s).
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
+    ("grpc.enable_retries", 1),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+]
+
+
+def open_channel(target: str, options: Iterable[tuple[str, Any]] = ()) -> grpc.Channel:
+    return grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
+
+
+def replica_addresses(target: str) -> list[str]:
+    """Every server `target` names: the list of an ipv4:/ipv6: target, the A records of
+    a dns: target, else the target itself."""
+    scheme, _, rest = target.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return rest.split(",")
+    if scheme == "dns":
+        host, _, port = rest.lstrip("/").rpartition(":")
+        if "/" in host:  # dns://authority/name:port
+            host = host.split("/", 1)[1]
+        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        addresses = {f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}" for *_, a in found}
+        return sorted(addresses)
+    return [target]

@@ -1,0 +1,130 @@
+"""gRPC server interceptor that counts and times every RPC (go-grpc-prometheus metrics).
+
+The final status code is the one the client sees: the code `context.abort` or
+`context.set_code` set, UNKNOWN for any other exception (also mid-stream), CANCELLED or
+DEADLINE_EXCEEDED for a call that ended on the client's side, OK otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from pergrad.server.metrics import RpcLabels, ServerMetrics
+
+# (request_streaming, response_streaming) -> grpc_type, handler attribute, handler factory
+_KINDS: dict[tuple[bool, bool], tuple[str, str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary", "unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("server_stream", "unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("client_stream", "stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("bidi_stream", "stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def final_code(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    """The status a call ends with, given the exception its handler raised (or None)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if error is not None and not isinstance(error, GeneratorExit):
+        return grpc.StatusCode.UNKNOWN
+    if isinstance(error, GeneratorExit) or not context.is_active():
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK
+
+
+def _labels(full_method: str) -> tuple[str, str]:
+    """Service and method of "/pergrad.v1.GradientService/ListModels"."""
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service or "unknown", method
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts started and handled RPCs and messages, and times each RPC, into `metrics`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        # Runs on gRPC's polling thread as the call arrives, before a worker picks it up.
+        arrived = time.perf_counter()
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        kind = (handler.request_streaming, handler.response_streaming)
+        grpc_type, attribute, factory = _KINDS[kind]
+        labels = RpcLabels(grpc_type, *_labels(handler_call_details.method))
+        call = _Call(self._metrics, labels, arrived)
+        behavior = call.wrap(getattr(handler, attribute), *kind)
+        return factory(
+            behavior,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class _Call:
+    """The metrics of one RPC: started when its handler runs, handled exactly once."""
+
+    def __init__(self, metrics: ServerMetrics, labels: RpcLabels, arrived: float) -> None:
+        self._metrics = metrics
+        self._labels = labels
+        self._arrived = arrived
+        self._handled = False
+
+    def wrap(
+        self, behavior: Callable[..., Any], request_streaming: bool, response_streaming: bool
+    ) -> Callable[..., Any]:
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            self._metrics.rpc_started(self._labels, self._arrived)
+            if request_streaming:
+                request = self._received(request)
+            else:
+                self._metrics.rpc_message_received(self._labels)
+            try:
+                result = behavior(request, context)
+            except BaseException as err:
+                self._finish(context, err)
+                raise
+            if response_streaming:
+                return self._sent(result, context)
+            self._metrics.rpc_message_sent(self._labels)
+            self._finish(context, None)
+            return result
+
+        return handle
+
+    def _received(self, requests: Iterator[Any]) -> Iterator[Any]:
+        for request in requests:
+            self._metrics.rpc_message_received(self._labels)
+            yield request
+
+    def _sent(self, responses: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        responses = iter(responses)
+        try:
+            for response in responses:
+                self._metrics.rpc_message_sent(self._labels)
+                yield response
+        except BaseException as err:
+            self._finish(context, err)
+            close = getattr(responses, "close", None)
+            if isinstance(err, GeneratorExit) and close is not None:
+                close()
+            raise
+        self._finish(context, None)
+
+    def _finish(self, context: grpc.ServicerContext, error: BaseException | None) -> None:
+        if not self._handled:
+            self._handled = True
+            code = final_code(context, error)
+            self._metrics.rpc_handled(self._labels, code, self._arrived)

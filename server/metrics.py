@@ -1,0 +1,410 @@
+"""Prometheus metrics: every metric pergrad exports is defined here, in one registry per server.
+
+Several servers may run in one process (the tests start many), so nothing is registered in
+prometheus-client's global registry: each `ServerMetrics` owns a `CollectorRegistry` with
+the process collectors, the gRPC metrics (go-grpc-prometheus names, filled by
+`pergrad.server.interceptors`), pergrad's own `pergrad_*` metrics and, when TensorFlow sees
+a GPU, GPU memory. `serve_metrics` exposes a registry over HTTP on a port of its own.
+
+Other modules only call methods of `ServerMetrics`; none creates a metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.registry import Collector
+
+from pergrad.v1 import gradient_service_pb2 as pb
+
+_LOGGER = logging.getLogger(__name__)
+
+# Unary calls take milliseconds to minutes (a large batch of a large model).
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+# Reductions the wire contract names; the label is "none" for full per-example gradients.
+NO_REDUCTION = "none"
+# The codes pergrad's own errors map to (pergrad.server.errors), exported from the start.
+REJECTION_CODES = tuple(
+    grpc.StatusCode[name]
+    for name in (
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "FAILED_PRECONDITION",
+        "RESOURCE_EXHAUSTED",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+    )
+)
+
+
+class RpcLabels(NamedTuple):
+    """The labels go-grpc-prometheus puts on every gRPC metric."""
+
+    grpc_type: str
+    grpc_service: str
+    grpc_method: str
+
+
+class _GpuMemoryCollector(Collector):
+    """Memory TensorFlow's allocator holds on each GPU; no samples on a machine without one."""
+
+    def __init__(self) -> None:
+        import tensorflow as tf
+
+        self._tf = tf
+        count = len(tf.config.list_physical_devices("GPU"))
+        self._devices = [f"GPU:{index}" for index in range(count)]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        if not self._devices:
+            return
+        used = GaugeMetricFamily(
+            "pergrad_gpu_memory_used_bytes",
+            "GPU memory TensorFlow's allocator holds now.",
+            labels=["device"],
+        )
+        peak = GaugeMetricFamily(
+            "pergrad_gpu_memory_peak_bytes",
+            "Most GPU memory TensorFlow's allocator has held since the server started.",
+            labels=["device"],
+        )
+        for device in self._devices:
+            try:
+                info = self._tf.config.experimental.get_memory_info(device)
+            except ValueError:  # a device TensorFlow has not initialised
+                continue
+            used.add_metric([device], info["current"])
+            peak.add_metric([device], info["peak"])
+        yield used
+        yield peak
+
+
+class ServerMetrics:
+    """The metrics of one server, in a registry of its own (`registry`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._arrival = threading.local()
+        self._define_process_metrics()
+        self._define_rpc_metrics()
+        self._define_request_metrics()
+        self._define_weights_metrics()
+
+    def _define_process_metrics(self) -> None:
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(_GpuMemoryCollector())
+
+    def _define_rpc_metrics(self) -> None:
+        r = self.registry
+        self._started = Counter(
+            "grpc_server_started_total",
+            "RPCs started on the server.",
+            _RPC_LABELS,
+            registry=r,
+        )
+        self._handled = Counter(
+            "grpc_server_handled_total",
+            "RPCs completed on the server, by final status code.",
+            (*_RPC_LABELS, "grpc_code"),
+            registry=r,
+        )
+        self._handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from an RPC's arrival to its final status, queueing for a worker included.",
+            _RPC_LABELS,
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._received = Counter(
+            "grpc_server_msg_received_total",
+            "Request messages received by the server.",
+            _RPC_LABELS,
+            registry=r,
+        )
+        self._sent = Counter(
+            "grpc_server_msg_sent_total",
+            "Response messages the server handed to gRPC to send.",
+            _RPC_LABELS,
+            registry=r,
+        )
+
+    def _define_request_metrics(self) -> None:
+        r = self.registry
+        self._examples = Counter(
+            "pergrad_examples_processed_total",
+            "Examples whose per-example gradients (or their reduction) were sent in full.",
+            ("model", "reduction"),
+            registry=r,
+        )
+        self._queue = Histogram(
+            "pergrad_request_queue_seconds",
+            "Time from a gradients call's arrival until work on its request starts: waiting "
+            "for a worker thread (about 0 for the later requests of a stream).",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._compute = Histogram(
+            "pergrad_request_compute_seconds",
+            "Time producing one request's results: decoding, the engine's backward pass "
+            "and cutting the results into chunks.",
+            ("model", "reduction"),
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._serialize = Histogram(
+            "pergrad_request_serialize_seconds",
+            "Time gRPC takes to serialize and send one request's response messages.",
+            ("model", "reduction"),
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._response_bytes = Counter(
+            "pergrad_response_bytes_total",
+            "Serialized size of the gradients response messages sent.",
+            ("model",),
+            registry=r,
+        )
+        self._requests_in_flight = Gauge(
+            "pergrad_requests_in_flight",
+            "Gradients requests being computed or sent now.",
+            registry=r,
+        )
+        self._examples_in_flight = Gauge(
+            "pergrad_examples_in_flight",
+            "Examples of the gradients requests being computed or sent now.",
+            registry=r,
+        )
+        self._rejected = Counter(
+            "pergrad_requests_rejected_total",
+            "Requests the server refused or failed, by gRPC status code name.",
+            ("reason",),
+            registry=r,
+        )
+        for code in REJECTION_CODES:
+            self._rejected.labels(code.name)
+
+    def _define_weights_metrics(self) -> None:
+        r = self.registry
+        self._weights_version = Gauge(
+            "pergrad_weights_version",
+            "Version of the weights a model serves now (1 at start, +1 per update).",
+            ("model",),
+            registry=r,
+        )
+        self._weights_updates = Counter(
+            "pergrad_weights_updates_total",
+            "Successful SetWeights updates.",
+            ("model",),
+            registry=r,
+        )
+        self._weights_failures = Counter(
+            "pergrad_weights_update_failures_total",
+            "SetWeights calls for a served model that changed nothing because they failed.",
+            ("model",),
+            registry=r,
+        )
+
+    # gRPC, for pergrad.server.interceptors
+
+    def rpc_started(self, labels: RpcLabels, arrived: float) -> None:
+        """An RPC reached its handler; `arrived` (perf_counter) is when the server got it."""
+        self._arrival.time = arrived
+        self._started.labels(*labels).inc()
+
+    def rpc_message_received(self, labels: RpcLabels) -> None:
+        self._received.labels(*labels).inc()
+
+    def rpc_message_sent(self, labels: RpcLabels) -> None:
+        self._sent.labels(*labels).inc()
+
+    def rpc_handled(self, labels: RpcLabels, code: grpc.StatusCode, arrived: float) -> None:
+        self._arrival.time = None
+        self._handled.labels(*labels, code.name).inc()
+        self._handling.labels(*labels).observe(time.perf_counter() - arrived)
+
+    # pergrad requests, for pergrad.server.service
+
+    def gradients(
+        self,
+        responses: Iterator[pb.GradientsResponse],
+        context: grpc.ServicerContext,
+        *,
+        reduction: str = NO_REDUCTION,
+    ) -> Iterator[pb.GradientsResponse]:
+        """`responses` of one gradients request, passed through while they are measured.
+
+        Queue time runs from the call's arrival (its first request) or from now (a later
+        request of a stream); compute is the time spent producing each response message,
+        serialize the time gRPC holds each one before asking for the next.
+        """
+        arrived = getattr(self._arrival, "time", None)
+        self._arrival.time = None
+        tracker = _GradientsTracker(self, reduction, arrived or time.perf_counter())
+        return tracker.run(responses, context)
+
+    def request_rejected(self, code: grpc.StatusCode) -> None:
+        self._rejected.labels(code.name).inc()
+
+    # models and weights
+
+    def model_served(self, model: str, version: int) -> None:
+        """Export `model` at `version`, its counters at 0 so rates start from the first call."""
+        self.weights_version(model, version)
+        self._weights_updates.labels(model)
+        self._weights_failures.labels(model)
+        self._examples.labels(model, NO_REDUCTION)
+        self._response_bytes.labels(model)
+
+    def weights_version(self, model: str, version: int) -> None:
+        """The version `model` serves now."""
+        self._weights_version.labels(model).set(version)
+
+    def weights_update(self, model: str) -> WeightsUpdate:
+        """Context for one SetWeights of `model`: counts a failure if the block raises."""
+        return WeightsUpdate(self, model)
+
+
+@dataclass
+class WeightsUpdate:
+    """One SetWeights call; `succeeded(version)` inside the block counts it as an update."""
+
+    metrics: ServerMetrics
+    model: str
+
+    def __enter__(self) -> WeightsUpdate:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        if kind is not None:
+            self.metrics._weights_failures.labels(self.model).inc()
+
+    def succeeded(self, version: int) -> None:
+        self.metrics._weights_updates.labels(self.model).inc()
+        self.metrics.weights_version(self.model, version)
+
+
+class _GradientsTracker:
+    """Measures one gradients request while its response messages pass through."""
+
+    def __init__(self, metrics: ServerMetrics, reduction: str, arrived: float) -> None:
+        self._m = metrics
+        self._reduction = reduction
+        self._arrived = arrived
+        self._compute_s = 0.0
+        self._serialize_s = 0.0
+        self._header: pb.ResultHeader | None = None
+
+    def run(
+        self, responses: Iterator[pb.GradientsResponse], context: grpc.ServicerContext
+    ) -> Iterator[pb.GradientsResponse]:
+        m = self._m
+        m._queue.observe(time.perf_counter() - self._arrived)
+        m._requests_in_flight.inc()
+        complete = False
+        try:
+            for message in self._timed(responses):
+                self._count(message)
+                started = time.perf_counter()
+                yield message
+                self._serialize_s += time.perf_counter() - started
+            complete = context.is_active()
+        finally:
+            m._requests_in_flight.dec()
+            self._finish(complete)
+
+    def _timed(self, responses: Iterator[pb.GradientsResponse]) -> Iterator[pb.GradientsResponse]:
+        while True:
+            started = time.perf_counter()
+            message = next(responses, None)
+            self._compute_s += time.perf_counter() - started
+            if message is None:
+                return
+            yield message
+
+    def _count(self, message: pb.GradientsResponse) -> None:
+        if self._header is None and message.HasField("header"):
+            self._header = message.header
+            self._m._examples_in_flight.inc(self._header.batch_size)
+        if self._header is not None:
+            self._m._response_bytes.labels(self._header.model).inc(message.ByteSize())
+
+    def _finish(self, complete: bool) -> None:
+        header = self._header
+        if header is None:  # refused before any result: only the queue time is known
+            return
+        m, labels = self._m, (header.model, self._reduction)
+        m._examples_in_flight.dec(header.batch_size)
+        m._compute.labels(*labels).observe(self._compute_s)
+        m._serialize.labels(*labels).observe(self._serialize_s)
+        if complete:
+            m._examples.labels(*labels).inc(header.batch_size)
+
+
+@dataclass
+class MetricsEndpoint:
+    """The HTTP server that exposes one registry at /metrics."""
+
+    httpd: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_port
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds would drown the server's log."""
+
+
+def serve_metrics(metrics: ServerMetrics, host: str, port: int) -> MetricsEndpoint:
+    """Serve `metrics` over HTTP at http://host:port/metrics (port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    try:
+        httpd = make_server(
+            host, port, make_wsgi_app(metrics.registry), server_class, _QuietHandler
+        )
+    except OSError as err:
+        raise OSError(f"cannot bind the metrics endpoint {host}:{port}: {err}") from err
+    # A short poll interval lets close() return at once instead of after up to 0.5 s.
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics", daemon=True
+    )
+    thread.start()
+    _LOGGER.debug("metrics on %s:%d", host, httpd.server_port)
+    return MetricsEndpoint(httpd, thread)
