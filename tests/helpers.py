@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import threading
 from collections.abc import Mapping
 
 import keras
@@ -59,3 +63,38 @@ def batch_for(shape: tuple[int, ...], classes: int, size: int, seed: int = 0):
     x = rng.standard_normal((size, *shape)).astype(np.float32)
     y = rng.integers(0, classes, size=size).astype(np.int32)
     return x, y
+
+
+def spawn_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`pergrad serve` in a process of its own on 127.0.0.1, port 0: (process, target).
+
+    Its log is drained in a thread so that the process never blocks on a full pipe.
+    """
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pergrad.client.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            *flags,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in process.stderr:
+        if match := re.search(r"pergrad ready on (\S+:\d+)", line):
+            threading.Thread(target=process.stderr.read, daemon=True).start()
+            return process, match.group(1)
+    raise RuntimeError(f"pergrad serve exited with {process.wait()} before it was ready")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=30)

@@ -1,0 +1,134 @@
+"""Several real server processes behind one client: spread, ordered, resilient, consistent."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from pergrad.client import GradientClient, PergradError
+from tests.helpers import assert_close, batch_for, spawn_server, stop_server
+
+MODEL = "mnist_cnn"
+FLAGS = ("--model", MODEL, "--jit-compile", "off")
+
+
+def _replicas(count: int) -> list[tuple[object, str]]:
+    return [spawn_server(*FLAGS, "--replica-name", f"r{i}") for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[str]]:
+    """Three replicas for tests that leave the weights alone."""
+    started = _replicas(3)
+    yield [target for _, target in started]
+    for process, _ in started:
+        stop_server(process)
+
+
+@pytest.fixture()
+def own_replicas() -> Iterator[list[tuple[object, str]]]:
+    """Two replicas a test may change or kill."""
+    started = _replicas(2)
+    yield started
+    for process, _ in started:
+        stop_server(process)
+
+
+def _many(targets: list[str]) -> str:
+    return "ipv4:" + ",".join(targets)
+
+
+def test_micro_batches_spread_over_replicas_and_match_one_server(replicas: list[str]) -> None:
+    x, y = batch_for((28, 28, 1), 10, 10, seed=1)
+    with GradientClient(replicas[0]) as one:
+        expected = one.per_example_gradients(MODEL, x, y)
+    with GradientClient(_many(replicas), micro_batch=2) as many:
+        result = many.per_example_gradients(MODEL, x, y)
+    assert len(set(result.server.split(","))) >= 2, result.server
+    assert_close({"losses": result.losses}, {"losses": expected.losses})
+    assert_close(result.gradients, expected.gradients)
+
+
+def test_reductions_merge_like_one_batch(replicas: list[str]) -> None:
+    x, y = batch_for((28, 28, 1), 10, 9, seed=2)
+    options = {"reduction": "clipped_sum", "max_norm": 0.5, "noise_multiplier": 1.0, "seed": 3}
+    with GradientClient(replicas[0]) as one:
+        expected = one.per_example_gradients(MODEL, x, y, **options)
+    with GradientClient(_many(replicas), micro_batch=4) as many:
+        result = many.per_example_gradients(MODEL, x, y, **options)
+    assert result.num_clipped == expected.num_clipped
+    assert_close(result.clipped_sum, expected.clipped_sum)
+    assert_close({"norms": result.norms}, {"norms": expected.norms})
+
+
+def test_stream_over_replicas_keeps_the_order(replicas: list[str]) -> None:
+    batches = [batch_for((28, 28, 1), 10, size, seed=size) for size in (3, 1, 4, 2, 5, 1)]
+    with GradientClient(_many(replicas), max_in_flight=3) as many:
+        results = list(many.stream(MODEL, batches, reduction="norms"))
+        servers = {r.server for r in results}
+        singles = [many.per_example_gradients(MODEL, x, y, reduction="norms") for x, y in batches]
+    assert [r.batch_size for r in results] == [3, 1, 4, 2, 5, 1]
+    assert len(servers) >= 2
+    for got, want in zip(results, singles, strict=True):
+        assert_close({"n": got.norms}, {"n": want.norms})
+
+
+def test_call_completes_when_a_replica_is_killed_mid_stream(own_replicas) -> None:
+    (victim, _), _ = own_replicas
+    batches = [batch_for((28, 28, 1), 10, 64, seed=i) for i in range(12)]
+    with GradientClient(_many([t for _, t in own_replicas]), max_in_flight=2) as many:
+        results = []
+        for result in many.stream(MODEL, iter(batches)):
+            results.append(result)
+            if len(results) == 2:
+                victim.kill()
+    assert [r.batch_size for r in results] == [64] * 12
+    survivor = own_replicas[1][1]
+    with GradientClient(survivor) as one:
+        last = one.per_example_gradients(MODEL, *batches[-1])
+    assert_close(results[-1].gradients, last.gradients)
+
+
+def _closed_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_unavailable_only_when_no_replica_is_left() -> None:
+    x, y = batch_for((28, 28, 1), 10, 2)
+    targets = _many([_closed_port(), _closed_port()])
+    with GradientClient(targets, timeout=10) as many, pytest.raises(PergradError) as err:
+        many.per_example_gradients(MODEL, x, y)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_set_weights_gives_every_replica_the_same_version(own_replicas) -> None:
+    targets = [t for _, t in own_replicas]
+    with GradientClient(targets[0]) as first:
+        version, weights = first.get_weights(MODEL)
+        first.set_weights(MODEL, weights)  # replica 0 is now one version ahead
+    with GradientClient(_many(targets)) as many:
+        new_version = many.set_weights(MODEL, {k: w * 2 for k, w in weights.items()})
+    assert new_version == version + 2
+    for target in targets:
+        with GradientClient(target) as one:
+            got_version, got = one.get_weights(MODEL)
+        assert got_version == new_version
+        np.testing.assert_array_equal(got["logits/bias"], weights["logits/bias"] * 2)
+
+
+def test_result_mixing_weights_versions_is_refused(own_replicas) -> None:
+    targets = [t for _, t in own_replicas]
+    with GradientClient(targets[0]) as first:
+        _, weights = first.get_weights(MODEL)
+        first.set_weights(MODEL, weights)
+    x, y = batch_for((28, 28, 1), 10, 8)
+    with GradientClient(_many(targets), micro_batch=1) as many, pytest.raises(PergradError) as err:
+        many.per_example_gradients(MODEL, x, y)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "r0 v2" in err.value.message and "r1 v1" in err.value.message
