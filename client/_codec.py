@@ -63,6 +63,11 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=dtype)
 
 
+def _byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array (via uint8: the buffer protocol has no bfloat16)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
 def encode_tensor(array: np.ndarray) -> pb.Tensor:
     """A whole array as one `Tensor` message (for request inputs)."""
     array = _little_endian(np.asarray(array))
@@ -105,7 +110,7 @@ def iter_chunks(
     `start` lets a slice of examples fill its place in the whole tensor: the rows of a
     C-contiguous [B, ...] tensor are contiguous byte ranges.
     """
-    data = memoryview(_little_endian(array)).cast("B")
+    data = _byte_view(_little_endian(array))
     for offset in range(0, len(data), chunk_bytes):
         yield pb.TensorChunk(
             tensor=index, offset=start + offset, data=data[offset : offset + chunk_bytes].tobytes()
@@ -134,7 +139,7 @@ class TensorAssembler:
         for spec in specs:
             array = np.empty(tuple(spec.shape), dtype=numpy_dtype(spec.dtype))
             self._arrays.append(array)
-            self._bytes.append(memoryview(array.reshape(-1)).cast("B"))
+            self._bytes.append(_byte_view(array))
             self._filled.append(0)
 
     def add(self, chunk: pb.TensorChunk) -> None:

@@ -39,6 +39,12 @@ from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
 
 _LOGGER = logging.getLogger(__name__)
+_WIRE_FLOATS = (
+    tensor_pb2.DATA_TYPE_FLOAT32,
+    tensor_pb2.DATA_TYPE_FLOAT16,
+    tensor_pb2.DATA_TYPE_BFLOAT16,
+    tensor_pb2.DATA_TYPE_FLOAT64,
+)
 
 
 def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics) -> None:
@@ -161,7 +167,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse]:
-        yield from self._metrics.gradients(self._gradients(request, context), context)
+        yield from self._metrics.gradients(request, self._gradients(request, context), context)
 
     @_status
     def StreamPerExampleGradients(
@@ -169,7 +175,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     ) -> Iterator[pb.GradientsResponse]:
         for request in request_iterator:
             try:
-                yield from self._metrics.gradients(self._gradients(request, context), context)
+                responses = self._gradients(request, context)
+                yield from self._metrics.gradients(request, responses, context)
             except PergradServerError as err:
                 raise type(err)(f"request {request.request_id}: {err}") from err
 
@@ -247,9 +254,11 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         """
         engine = served.engine
         selected = engine.select(variables)
+        if wire and wire not in _WIRE_FLOATS:
+            raise InvalidArgument(
+                f"wire_dtype: {tensor_pb2.DataType.Name(wire)} is not a floating-point type"
+            )
         dtypes = [numpy_dtype(wire) if wire else v.dtype for v in selected]
-        if any(d.kind != "f" for d in dtypes):
-            raise InvalidArgument("wire_dtype: must be a floating-point type")
         blocks = engine.iter_slices(
             x, y, variables=variables, trainable=snapshot.trainable, buffer_sets=3
         )

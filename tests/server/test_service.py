@@ -245,3 +245,24 @@ def test_reflection_lists_the_gradient_service(server: RunningServer) -> None:
         reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
     names = [s.name for s in reply.list_services_response.service]
     assert SERVICE_NAME in names
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+def test_half_precision_on_the_wire_keeps_the_values(client: GradientClient, wire_dtype) -> None:
+    x, y = _batch(client, "mnist_mlp", 4)
+    exact = client.per_example_gradients("mnist_mlp", x, y)
+    half = client.per_example_gradients("mnist_mlp", x, y, wire_dtype=wire_dtype)
+    upcast = client.per_example_gradients("mnist_mlp", x, y, wire_dtype=wire_dtype, upcast=True)
+    assert half.gradients["hidden/kernel"].dtype.name == wire_dtype
+    assert upcast.gradients["hidden/kernel"].dtype == np.float32
+    assert half.losses.dtype == np.float32
+    for name, value in exact.gradients.items():
+        # bfloat16 keeps 8 significant bits, float16 11: half an ulp is 2**-8 or 2**-11.
+        np.testing.assert_allclose(upcast.gradients[name], value, rtol=2**-8, atol=1e-6)
+
+
+def test_wire_dtype_with_a_reduction_is_refused(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 2)
+    with pytest.raises(PergradError, match="wire_dtype: applies to full gradients") as err:
+        client.per_example_gradients("mnist_mlp", x, y, reduction="norms", wire_dtype="float16")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
