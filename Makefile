@@ -4,8 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROTOS := protos/pergrad/v1/tensor.proto protos/pergrad/v1/gradient_service.proto
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test demo bench protos lint clean
+.PHONY: install system-deps test demo bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,10 +16,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# prometheus and promtool (Debian package prometheus) for the metrics and deploy tests;
+# nothing to do when both are on PATH. kubectl, if present, renders the Kustomize overlays.
+system-deps:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
+
 lint: install
 	$(PY) -m ruff check .
 
-test: install lint
+test: install system-deps lint
 	$(PY) -m pytest -q
 
 demo: install

@@ -110,6 +110,8 @@ def start_server(workload: str) -> tuple[subprocess.Popen, str]:
             "127.0.0.1",
             "--port",
             "0",
+            "--metrics-port",
+            "0",
             "--model",
             workload,
         ],

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from pergrad.client._credentials import Security
 from pergrad.v1 import gradient_service_pb2 as pb
 
 MAX_RECEIVE_BYTES = 64 << 20
@@ -50,8 +51,41 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def open_channel(target: str, options: Iterable[tuple[str, Any]] = ()) -> grpc.Channel:
-    return grpc.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options])
+def open_channel(
+    target: str,
+    options: Iterable[tuple[str, Any]] = (),
+    security: Security | None = None,
+    *,
+    replica_of: str | None = None,
+) -> grpc.Channel:
+    """A channel to `target` with the client's options and credentials (none by default);
+    `replica_of` is the target that `target` is one replica of."""
+    security = security or Security()
+    names = tls_name_options(replica_of or target, security)
+    return security.open(target, [*CHANNEL_OPTIONS, *names, *options])
+
+
+def tls_name_options(target: str, security: Security) -> list[tuple[str, Any]]:
+    """Under TLS, the name the servers' certificates are checked against where it is not
+    the channel's own host: `security.server_name`, else the name of a dns: target (its
+    replicas are opened by address). An ipv4:/ipv6: list names no host: ValueError."""
+    if not security.tls:
+        return []
+    name = security.server_name or _dns_host(target)
+    if name is None and target.partition(":")[0] in ("ipv4", "ipv6"):
+        raise ValueError(
+            f"TLS to {target!r} needs server_name=, a name every replica's certificate holds"
+        )
+    return [("grpc.ssl_target_name_override", name)] if name else []
+
+
+def _dns_host(target: str) -> str | None:
+    """The name of a "dns:///name:50051" or "dns://authority/name:50051" target, else None."""
+    scheme, _, rest = target.partition(":")
+    if scheme != "dns":
+        return None
+    host = rest.lstrip("/").rpartition(":")[0]
+    return host.split("/", 1)[1] if "/" in host else host
 
 
 def replica_addresses(target: str) -> list[str]:

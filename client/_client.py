@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pergrad.client._channels import open_channel, replica_addresses
+from pergrad.client._channels import SERVICE, open_channel, replica_addresses
 from pergrad.client._codec import (
     DEFAULT_CHUNK_BYTES,
     CodecError,
@@ -19,17 +19,22 @@ from pergrad.client._codec import (
     iter_chunks,
     tensor_spec,
 )
+from pergrad.client._credentials import PemSource, Security
 from pergrad.client._merge import merge
 from pergrad.client._requests import gradients_request
 from pergrad.client._results import read_results
 from pergrad.client._stream import pipelined
 from pergrad.client._types import GradientResult, ModelInfo, PergradError
+from pergrad.client._wire import identity
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT_S = 120.0
 # A replica that dies mid-call answers UNAVAILABLE; its share goes to another replica.
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# The gradients methods' responses are decoded by `_wire`, not by protobuf.
+COMPUTE_METHOD = f"/{SERVICE}/ComputePerExampleGradients"
+STREAM_METHOD = f"/{SERVICE}/StreamPerExampleGradients"
 
 _T = TypeVar("_T")
 
@@ -60,6 +65,16 @@ class GradientClient:
         micro_batch: split a batch into micro-batches of this many examples, computed
             concurrently (on several replicas) and reassembled in order.
         retries: times a call that found its replica gone is sent again.
+        tls: use TLS, trusting the system's root certificates unless
+            `root_certificates` is given (any certificate argument implies TLS).
+        root_certificates: CA certificates that sign the server's certificate: PEM
+            bytes, or the path of a PEM file (as are the next two).
+        certificate_chain, private_key: the client's certificate and key, for a server
+            that requires them (mutual TLS).
+        token: bearer token sent with every call (`authorization: Bearer <token>`);
+            over TLS as call credentials, else as plain metadata.
+        server_name: the name the servers' certificates are checked against, where it
+            is not the target's host; needed for TLS to an ipv4:/ipv6: list.
     """
 
     def __init__(
@@ -72,6 +87,12 @@ class GradientClient:
         micro_batch: int | None = None,
         retries: int = 2,
         options: Iterable[tuple[str, Any]] = (),
+        tls: bool = False,
+        root_certificates: PemSource | None = None,
+        certificate_chain: PemSource | None = None,
+        private_key: PemSource | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -79,8 +100,26 @@ class GradientClient:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         self._target = target
         self._options = list(options)
-        self._channel = open_channel(target, self._options)
+        self._security = Security.of(
+            tls=tls,
+            root_certificates=root_certificates,
+            certificate_chain=certificate_chain,
+            private_key=private_key,
+            token=token,
+            server_name=server_name,
+        )
+        self._channel = open_channel(target, self._options, self._security)
         self._stub = pb_grpc.GradientServiceStub(self._channel)
+        self._compute_call = self._channel.unary_stream(
+            COMPUTE_METHOD,
+            request_serializer=pb.GradientsRequest.SerializeToString,
+            response_deserializer=identity,
+        )
+        self._stream_call = self._channel.stream_stream(
+            STREAM_METHOD,
+            request_serializer=pb.GradientsRequest.SerializeToString,
+            response_deserializer=identity,
+        )
         self._replicas = replica_addresses(target)
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
@@ -107,7 +146,10 @@ class GradientClient:
         if len(self._replicas) == 1:
             return [self._stub]
         if not self._replica_channels:
-            self._replica_channels = [open_channel(a, self._options) for a in self._replicas]
+            self._replica_channels = [
+                open_channel(a, self._options, self._security, replica_of=self._target)
+                for a in self._replicas
+            ]
         return [pb_grpc.GradientServiceStub(c) for c in self._replica_channels]
 
     @property
@@ -188,7 +230,7 @@ class GradientClient:
         """One call, sent again while its replica is gone and retries remain."""
         for attempt in range(self._retries + 1):
             try:
-                responses = self._stub.ComputePerExampleGradients(request, timeout=timeout)
+                responses = self._compute_call(request, timeout=timeout)
                 results = [result for _, result in read_results(responses)]
             except grpc.RpcError as err:
                 if err.code() in _RETRYABLE and attempt < self._retries:
@@ -236,7 +278,7 @@ class GradientClient:
             )
 
         results = pipelined(
-            self._stub.StreamPerExampleGradients,
+            self._stream_call,
             batches,
             make_request,
             max_in_flight=self._max_in_flight,

@@ -102,19 +102,25 @@ def tensor_spec(name: str, array: np.ndarray) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, dtype=wire_dtype(array.dtype), shape=array.shape)
 
 
-def iter_chunks(
+def iter_raw_chunks(
     index: int, array: np.ndarray, *, start: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[pb.TensorChunk]:
-    """Chunks of `array`'s bytes for tensor number `index`, the first at byte `start`.
+) -> Iterator[tuple[int, int, memoryview]]:
+    """(tensor index, byte offset, bytes) pieces of `array`, the first at byte `start`.
 
     `start` lets a slice of examples fill its place in the whole tensor: the rows of a
-    C-contiguous [B, ...] tensor are contiguous byte ranges.
+    C-contiguous [B, ...] tensor are contiguous byte ranges. The bytes are views, no copy.
     """
     data = _byte_view(_little_endian(array))
     for offset in range(0, len(data), chunk_bytes):
-        yield pb.TensorChunk(
-            tensor=index, offset=start + offset, data=data[offset : offset + chunk_bytes].tobytes()
-        )
+        yield index, start + offset, data[offset : offset + chunk_bytes]
+
+
+def iter_chunks(
+    index: int, array: np.ndarray, *, start: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[pb.TensorChunk]:
+    """`iter_raw_chunks` as TensorChunk messages."""
+    for tensor, offset, data in iter_raw_chunks(index, array, start=start, chunk_bytes=chunk_bytes):
+        yield pb.TensorChunk(tensor=tensor, offset=offset, data=data.tobytes())
 
 
 class TensorAssembler:
@@ -143,22 +149,24 @@ class TensorAssembler:
             self._filled.append(0)
 
     def add(self, chunk: pb.TensorChunk) -> None:
-        if chunk.tensor >= len(self._arrays):
+        self.add_raw(chunk.tensor, chunk.offset, chunk.data)
+
+    def add_raw(self, tensor: int, offset: int, data: bytes | memoryview) -> None:
+        """Copy `data` to bytes [offset, offset + len) of tensor number `tensor`."""
+        if tensor >= len(self._arrays):
+            raise CodecError(f"chunk for tensor {tensor}, but only {len(self._arrays)} declared")
+        filled = self._filled[tensor]
+        target = self._bytes[tensor]
+        name = self._names[tensor]
+        if offset != filled:
             raise CodecError(
-                f"chunk for tensor {chunk.tensor}, but only {len(self._arrays)} declared"
+                f"tensor {name!r}: chunk at byte {offset}, expected {filled} (out of order)"
             )
-        filled = self._filled[chunk.tensor]
-        target = self._bytes[chunk.tensor]
-        name = self._names[chunk.tensor]
-        if chunk.offset != filled:
-            raise CodecError(
-                f"tensor {name!r}: chunk at byte {chunk.offset}, expected {filled} (out of order)"
-            )
-        end = filled + len(chunk.data)
+        end = filled + len(data)
         if end > len(target):
             raise CodecError(f"tensor {name!r}: chunk ends at byte {end}, past {len(target)}")
-        target[filled:end] = chunk.data
-        self._filled[chunk.tensor] = end
+        target[filled:end] = data
+        self._filled[tensor] = end
 
     @property
     def complete(self) -> bool:

@@ -12,6 +12,7 @@ import numpy as np
 
 from pergrad.client._codec import CodecError, TensorAssembler, tensor_spec, wire_dtype
 from pergrad.client._types import GradientResult, PergradError
+from pergrad.client._wire import decode_response
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 
@@ -87,26 +88,28 @@ def result_from_arrays(header: pb.ResultHeader, arrays: Sequence[np.ndarray]) ->
     )
 
 
-def read_results(responses: Iterator[pb.GradientsResponse]) -> Iterator[tuple[int, GradientResult]]:
-    """(request_id, result) for each complete result in a response stream, in order."""
+def read_results(responses: Iterator[bytes]) -> Iterator[tuple[int, GradientResult]]:
+    """(request_id, result) for each complete result in a stream of serialized
+    GradientsResponses (see `_wire`), in order."""
     header: pb.ResultHeader | None = None
     assembler: TensorAssembler | None = None
     request_id = 0
     try:
-        for response in responses:
-            if response.HasField("header"):
+        for message in responses:
+            part = decode_response(message)
+            if part.header is not None:
                 if assembler is not None:
                     raise CodecError(f"result {request_id} ended before all its bytes arrived")
-                header, request_id = response.header, response.request_id
+                header, request_id = part.header, part.request_id
                 assembler = TensorAssembler([o.tensor for o in header.outputs])
-            elif assembler is None or response.request_id != request_id:
+            elif assembler is None or part.chunk is None or part.request_id != request_id:
                 raise CodecError("chunk without a header for its request")
             else:
-                assembler.add(response.chunk)
+                assembler.add_raw(*part.chunk)
             if assembler is not None and assembler.complete:
                 yield request_id, result_from_arrays(header, assembler.arrays())
                 assembler = None
         if assembler is not None:
             raise CodecError(f"stream ended inside result {request_id}")
-    except CodecError as err:
+    except (CodecError, ValueError) as err:
         raise PergradError(grpc.StatusCode.DATA_LOSS, str(err)) from None

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -27,8 +29,44 @@ def _describe(info: ModelInfo) -> str:
     return "\n".join(lines)
 
 
+# GradientClient keyword: the attribute of the flag naming its PEM file.
+_PEM_FLAGS = {
+    "root_certificates": "tls_ca",
+    "certificate_chain": "tls_cert",
+    "private_key": "tls_key",
+}
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise SystemExit(f"pergrad: {flag} {path!r} cannot be read: {err.strerror}") from None
+
+
+def _credentials(args: argparse.Namespace) -> dict[str, Any]:
+    """GradientClient's TLS and token arguments from the flags (and PERGRAD_TOKEN)."""
+    found: dict[str, Any] = {
+        keyword: _read(getattr(args, attr), "--" + attr.replace("_", "-"))
+        for keyword, attr in _PEM_FLAGS.items()
+        if getattr(args, attr)
+    }
+    if ("certificate_chain" in found) != ("private_key" in found):
+        raise SystemExit("pergrad: --tls-cert and --tls-key go together")
+    token = os.environ.get("PERGRAD_TOKEN", "").strip() or None
+    if args.token_file:
+        token = _read(args.token_file, "--token-file").decode().strip()
+        if not token:
+            raise SystemExit(f"pergrad: --token-file {args.token_file!r} is empty")
+    return found | {"tls": args.tls, "token": token}
+
+
+def _connect(args: argparse.Namespace) -> GradientClient:
+    return GradientClient(args.target, timeout=args.timeout, **_credentials(args))
+
+
 def _info(args: argparse.Namespace) -> int:
-    with GradientClient(args.target, timeout=args.timeout) as client:
+    with _connect(args) as client:
         names = [args.model] if args.model else client.list_models()
         print("\n".join(_describe(client.model_info(name)) for name in names))
     return 0
@@ -64,7 +102,7 @@ def _grads(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.data}: {len(x)} inputs but {len(y)} labels")
     options = {"dim": args.dim, "seed": args.seed} if args.reduction == "project" else {}
     out: dict[str, np.ndarray] = {}
-    with GradientClient(args.target, timeout=args.timeout) as client:
+    with _connect(args) as client:
         results = client.stream(
             args.model,
             _batches(x, y, args.batch_size),
@@ -112,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument("--target", default=DEFAULT_TARGET, help="server address (PERGRAD_TARGET)")
         cmd.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
+        _add_security_arguments(cmd)
     info = sub.choices["info"]
     info.add_argument("--model", help="one model (default: all)")
     grads = sub.choices["grads"]
@@ -133,6 +172,14 @@ def _parser() -> argparse.ArgumentParser:
     grads.add_argument("--seed", type=int, default=0, help="projection seed (project)")
     grads.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
+
+
+def _add_security_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--tls", action="store_true", help="TLS, trusting the system's CAs")
+    cmd.add_argument("--tls-ca", help="PEM of the CA that signs the server (implies --tls)")
+    cmd.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
+    cmd.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    cmd.add_argument("--token-file", help="file holding the bearer token (default: PERGRAD_TOKEN)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from scipy.ndimage import zoom
@@ -50,13 +50,16 @@ def server(target: str | None, model: str) -> Iterator[str]:
     command = [sys.executable, "-m", "pergrad.client.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", "0", "--metrics-port", "0", "--model", model]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
     try:
         for line in process.stderr:
             if match := re.search(r"pergrad ready on (\S+:\d+)", line):
                 threading.Thread(target=process.stderr.read, daemon=True).start()
                 yield match.group(1)
                 return
-        raise RuntimeError(f"pergrad serve exited with {process.wait()} before it was ready")
+            log.append(line)
+        status = process.wait()
+        raise RuntimeError(f"pergrad serve exited with {status}:\n{''.join(log[-5:])}")
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -79,16 +82,17 @@ def predict(
     With a softmax cross-entropy loss, the loss of label k is -log p(k | x), so the
     argmin over the candidate labels is the argmax of the logits, and exp(-loss) is the
     predictive distribution. We send every example once per class (one batched stream),
-    asking for the cheapest reduction (the norm of one bias) next to the losses.
+    asking for the cheapest reduction (the norms of the last variable) next to the losses.
     """
-    classes = client.model_info(model).num_classes
+    info = client.model_info(model)
+    classes = info.num_classes
     xs = np.concatenate([x] * classes)
     ys = np.repeat(np.arange(classes, dtype=np.int32), len(x))
     results = client.stream(
         model,
         batches(xs, ys, chunk),
         reduction="norms",
-        variables=LAST_LAYER[-1:],
+        variables=[info.variables[-1].name],
         model_version=version,
     )
     losses = np.concatenate([r.losses for r in results])
@@ -100,7 +104,7 @@ def sgd_epoch(
     model: str,
     weights: dict[str, np.ndarray],
     version: int,
-    data: Iterator[tuple[np.ndarray, np.ndarray]],
+    data: Iterable[tuple[np.ndarray, np.ndarray]],
     *,
     lr: float,
 ) -> tuple[int, float]:

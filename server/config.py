@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pergrad.server.auth import TokenFileError, load_tokens
+from pergrad.server.tls import check_files
+
 JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
 
 
@@ -33,6 +36,10 @@ class Config:
     replica_name: str = f"{socket.gethostname()}/{os.getpid()}"
     max_connection_age_s: float = 300.0
     log_level: str = "INFO"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    auth_token_file: Path | None = None
 
     def validate(self) -> Config:
         for flag, port in [("--port", self.port), ("--metrics-port", self.metrics_port)]:
@@ -60,7 +67,25 @@ class Config:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
         if self.model_dir is not None and not self.model_dir.is_dir():
             raise ConfigError(f"--model-dir {str(self.model_dir)!r} is not a directory")
+        _validate_security(self)
         return self
+
+
+def _validate_security(config: Config) -> None:
+    """TLS files that make a usable set, and a token file with at least one token."""
+    try:
+        check_files(config.tls_cert, config.tls_key, config.tls_client_ca)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if config.auth_token_file is None:
+        return
+    path = str(config.auth_token_file)
+    try:
+        load_tokens(config.auth_token_file)
+    except OSError as err:
+        raise ConfigError(f"--auth-token-file {path!r} cannot be read: {err.strerror}") from None
+    except (TokenFileError, UnicodeDecodeError) as err:
+        raise ConfigError(f"--auth-token-file {path!r}: {err}") from None
 
 
 def _env(name: str, default: object) -> object:
@@ -124,6 +149,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds before a client connection is closed so clients re-resolve replicas",
     )
     parser.add_argument("--log-level", default=_env("LOG_LEVEL", d.log_level))
+    _add_security_arguments(parser)
+
+
+def _add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls-cert",
+        default=_env("TLS_CERT", None),
+        help="PEM certificate (chain) of the server; with --tls-key the port speaks only TLS",
+    )
+    parser.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=_env("TLS_CLIENT_CA", None),
+        help="PEM CA certificate(s): require client certificates they signed (mutual TLS)",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        default=_env("AUTH_TOKEN_FILE", None),
+        help="bearer tokens, one a line ('TOKEN:ro' is read-only); calls without one are "
+        "refused, except health and reflection",
+    )
 
 
 def _number(args: argparse.Namespace, attr: str, kind: type) -> int | float:
@@ -154,7 +200,15 @@ def from_args(args: argparse.Namespace) -> Config:
         replica_name=str(args.replica_name),
         max_connection_age_s=_number(args, "max_connection_age_s", float),
         log_level=str(args.log_level).upper(),
+        tls_cert=_path(args.tls_cert),
+        tls_key=_path(args.tls_key),
+        tls_client_ca=_path(args.tls_client_ca),
+        auth_token_file=_path(args.auth_token_file),
     ).validate()
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None
 
 
 def parse(argv: Sequence[str]) -> Config:

@@ -14,15 +14,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
 from pergrad.server.interceptors import MetricsInterceptor
 from pergrad.server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.keras_file import ModelLoadError
 from pergrad.server.models.registry import ModelRegistry, load_model
-from pergrad.server.service import GradientServicer
+from pergrad.server.service import GradientServicer, add_to_server
+from pergrad.server.tls import server_credentials
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 
 _LOGGER = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
@@ -114,24 +115,38 @@ def _start_grpc(
 ) -> tuple[grpc.Server, health.HealthServicer, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers),
-        interceptors=[MetricsInterceptor(metrics)],
+        interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config)],
         options=server_options(config),
     )
-    pb_grpc.add_GradientServiceServicer_to_server(
-        GradientServicer(registry, config, metrics), server
-    )
+    add_to_server(GradientServicer(registry, config, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = _add_port(server, config)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
+
+
+def _auth_interceptors(config: Config) -> list[grpc.ServerInterceptor]:
+    """Token checks, after the metrics interceptor so that refused calls are counted."""
+    if config.auth_token_file is None:
+        return []
+    return [TokenAuthInterceptor(load_tokens(config.auth_token_file))]
+
+
+def _add_port(server: grpc.Server, config: Config) -> int:
+    """Listen on host:port, with TLS when a certificate is configured; the bound port."""
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert is None or config.tls_key is None:
+        return server.add_insecure_port(address)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    return server.add_secure_port(address, credentials)
 
 
 def serve(argv: Sequence[str]) -> int:

@@ -174,8 +174,8 @@ class ServerMetrics:
         )
         self._compute = Histogram(
             "pergrad_request_compute_seconds",
-            "Time producing one request's results: decoding, the engine's backward pass "
-            "and cutting the results into chunks.",
+            "Time a request's handler waits for its results: decoding, the engine's "
+            "backward pass and chunking, less what overlapped with sending.",
             ("model", "reduction"),
             buckets=LATENCY_BUCKETS_S,
             registry=r,
@@ -255,20 +255,19 @@ class ServerMetrics:
 
     def gradients(
         self,
+        request: pb.GradientsRequest,
         responses: Iterator[pb.GradientsResponse],
         context: grpc.ServicerContext,
-        *,
-        reduction: str = NO_REDUCTION,
     ) -> Iterator[pb.GradientsResponse]:
-        """`responses` of one gradients request, passed through while they are measured.
+        """The `responses` to `request`, passed through while they are measured.
 
         Queue time runs from the call's arrival (its first request) or from now (a later
-        request of a stream); compute is the time spent producing each response message,
-        serialize the time gRPC holds each one before asking for the next.
+        request of a stream); compute is the time the handler waits for each response
+        message, serialize the time gRPC holds each one before asking for the next.
         """
         arrived = getattr(self._arrival, "time", None)
         self._arrival.time = None
-        tracker = _GradientsTracker(self, reduction, arrived or time.perf_counter())
+        tracker = _GradientsTracker(self, _reduction(request), arrived or time.perf_counter())
         return tracker.run(responses, context)
 
     def request_rejected(self, code: grpc.StatusCode) -> None:
@@ -312,6 +311,14 @@ class WeightsUpdate:
         self.metrics.weights_version(self.model, version)
 
 
+def _reduction(request: pb.GradientsRequest) -> str:
+    """The reduction label: "none", "norms", ... as the engine names them."""
+    try:
+        return pb.Reduction.Name(request.reduction).removeprefix("REDUCTION_").lower()
+    except ValueError:  # a value newer than this server's wire contract
+        return "unknown"
+
+
 class _GradientsTracker:
     """Measures one gradients request while its response messages pass through."""
 
@@ -350,12 +357,17 @@ class _GradientsTracker:
                 return
             yield message
 
-    def _count(self, message: pb.GradientsResponse) -> None:
-        if self._header is None and message.HasField("header"):
-            self._header = message.header
-            self._m._examples_in_flight.inc(self._header.batch_size)
+    def _count(self, message: pb.GradientsResponse | bytes) -> None:
+        """Response bytes; a pre-encoded chunk message (`pergrad.client._wire`) is bytes."""
+        if isinstance(message, bytes):
+            size = len(message)
+        else:
+            if self._header is None and message.HasField("header"):
+                self._header = message.header
+                self._m._examples_in_flight.inc(self._header.batch_size)
+            size = message.ByteSize()
         if self._header is not None:
-            self._m._response_bytes.labels(self._header.model).inc(message.ByteSize())
+            self._m._response_bytes.labels(self._header.model).inc(size)
 
     def _finish(self, complete: bool) -> None:
         header = self._header

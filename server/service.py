@@ -21,11 +21,13 @@ from pergrad.client._codec import (
     TensorAssembler,
     decode_tensor,
     iter_chunks,
+    iter_raw_chunks,
     numpy_dtype,
     tensor_spec,
     wire_dtype,
 )
 from pergrad.client._results import header_for_shapes, result_outputs
+from pergrad.client._wire import RawChunk, encode_chunk, serialize
 from pergrad.server.config import Config
 from pergrad.server.engine import reductions
 from pergrad.server.errors import InvalidArgument, PergradServerError
@@ -220,11 +222,11 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             if isinstance(part, pb.ResultHeader):
                 yield pb.GradientsResponse(request_id=request.request_id, header=part)
             else:
-                yield pb.GradientsResponse(request_id=request.request_id, chunk=part)
+                yield encode_chunk(request.request_id, *part)
 
     def _whole_result(
         self, model: str, version: int, result: GradientResult
-    ) -> Iterator[pb.ResultHeader | tensor_pb2.TensorChunk]:
+    ) -> Iterator[pb.ResultHeader | RawChunk]:
         outputs, arrays = result_outputs(result)
         yield pb.ResultHeader(
             model=model,
@@ -234,7 +236,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             server=self._config.replica_name,
         )
         for index, array in enumerate(arrays):
-            yield from iter_chunks(index, array, chunk_bytes=self._config.chunk_bytes)
+            yield from iter_raw_chunks(index, array, chunk_bytes=self._config.chunk_bytes)
 
     def _full_gradients(
         self,
@@ -245,7 +247,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         variables: list[str] | None,
         wire: int,
         context: grpc.ServicerContext,
-    ) -> Iterator[pb.ResultHeader | tensor_pb2.TensorChunk]:
+    ) -> Iterator[pb.ResultHeader | RawChunk]:
         """Full per-example gradients, streamed block by block.
 
         A thread computes block k+1 while block k is serialized and sent; the engine
@@ -278,6 +280,32 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             ]
             for index, array in enumerate(arrays):
                 start = part.start * (array.nbytes // array.shape[0])
-                yield from iter_chunks(
+                yield from iter_raw_chunks(
                     index, array, start=start, chunk_bytes=self._config.chunk_bytes
                 )
+
+
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def add_to_server(servicer: GradientServicer, server: grpc.Server) -> None:
+    """Register the servicer like the generated `add_GradientServiceServicer_to_server`,
+    except that responses may be pre-encoded bytes (`pergrad.client._wire`)."""
+    service = pb.DESCRIPTOR.services_by_name["GradientService"]
+    handlers = {
+        method.name: _HANDLERS[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            response_serializer=serialize,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -108,6 +108,16 @@ def test_gradients_request_counts_its_examples_bytes_and_phases(
     assert _value(server, "pergrad_examples_in_flight") == 0
 
 
+def test_reduction_request_counts_examples_under_its_reduction(
+    server: RunningServer, client: GradientClient
+) -> None:
+    norms = {"model": "mnist_mlp", "reduction": "norms"}
+    before = _value(server, "pergrad_examples_processed_total", **norms)
+    client.per_example_gradients("mnist_mlp", *_mlp_batch(6), reduction="norms")
+    assert _value(server, "pergrad_examples_processed_total", **norms) == before + 6
+    assert _value(server, "pergrad_request_compute_seconds_count", **norms) >= 1
+
+
 def test_stream_measures_each_batch_as_a_request(
     server: RunningServer, client: GradientClient
 ) -> None:

@@ -1,0 +1,160 @@
+"""Bearer-token authentication: a gRPC server interceptor and the token file it reads.
+
+The token file holds one token per line; `token:ro` marks a read-only token, which may
+call every method but SetWeights. Blank lines and lines starting with `#` are skipped.
+A call presents its token as metadata `authorization: Bearer <token>`; a missing or
+unknown token ends it with UNAUTHENTICATED, a read-only token calling SetWeights with
+PERMISSION_DENIED. Health and reflection stay open, so probes need no token.
+
+Tokens are compared as SHA-256 digests with `hmac.compare_digest`, every known token
+each time, so the time a check takes tells nothing about which bytes matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pergrad.v1 import gradient_service_pb2 as pb
+
+READ_ONLY_SUFFIX = ":ro"
+GRADIENT_SERVICE = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
+# Services any caller may use: probes and tooling that only describe the server.
+OPEN_SERVICES = frozenset(
+    {
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
+    }
+)
+# Methods that change the server's state: read-write tokens only.
+WRITE_METHODS = frozenset({f"/{GRADIENT_SERVICE}/SetWeights"})
+
+_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+class TokenFileError(ValueError):
+    """A token file the server cannot use."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Digests of the accepted tokens, each with whether it may only read."""
+
+    read_only_by_digest: Mapping[bytes, bool]
+
+    def lookup(self, token: str) -> bool | None:
+        """None for an unknown token, else whether it is read-only (in constant time)."""
+        presented = _digest(token)
+        found: bool | None = None
+        for digest, read_only in self.read_only_by_digest.items():
+            if hmac.compare_digest(presented, digest):
+                found = read_only
+        return found
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def parse_tokens(text: str) -> Tokens:
+    """The tokens of a token file's text; TokenFileError names the line at fault."""
+    tokens: dict[bytes, bool] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        read_only = line.endswith(READ_ONLY_SUFFIX)
+        token = line.removesuffix(READ_ONLY_SUFFIX) if read_only else line
+        if not token or any(c.isspace() for c in token):
+            raise TokenFileError(f"line {number}: a token is one word, optionally with ':ro'")
+        digest = _digest(token)
+        if tokens.get(digest, read_only) != read_only:
+            raise TokenFileError(f"line {number}: token listed both read-only and read-write")
+        tokens[digest] = read_only
+    if not tokens:
+        raise TokenFileError("holds no tokens")
+    return Tokens(tokens)
+
+
+def load_tokens(path: Path) -> Tokens:
+    """The tokens of the file at `path` (OSError if unreadable, TokenFileError if unusable)."""
+    return parse_tokens(path.read_text(encoding="utf-8"))
+
+
+def bearer_token(metadata: Any) -> str | None:
+    """The token of an `authorization: Bearer <token>` entry, if the call sent one."""
+    for key, value in metadata or ():
+        if key.lower() != "authorization" or not isinstance(value, str):
+            continue
+        scheme, _, token = value.strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return None
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Lets a call through only with a known bearer token (any call to an open service)."""
+
+    def __init__(self, tokens: Tokens) -> None:
+        self._tokens = tokens
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None or _service(method) in OPEN_SERVICES:
+            return handler
+        refusal = self._refusal(method, handler_call_details.invocation_metadata)
+        if refusal is None:
+            return handler
+        return _refusing(handler, *refusal)
+
+    def _refusal(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
+        """The status a call gets instead of an answer, or None to let it through."""
+        token = bearer_token(metadata)
+        if token is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "missing bearer token (authorization)"
+        read_only = self._tokens.lookup(token)
+        if read_only is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+        if read_only and method in WRITE_METHODS:
+            name = method.rpartition("/")[2]
+            return grpc.StatusCode.PERMISSION_DENIED, f"a read-only token cannot call {name}"
+        return None
+
+
+def _service(method: str) -> str:
+    """ "pergrad.v1.GradientService" of "/pergrad.v1.GradientService/ListModels"."""
+    return method.lstrip("/").rpartition("/")[0]
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call with `code`.
+
+    The request is never parsed (no deserializer), so a refused call costs no decoding.
+    """
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    kind = (handler.request_streaming, handler.response_streaming)
+    return _HANDLER_FACTORIES[kind](
+        refuse, request_deserializer=None, response_serializer=handler.response_serializer
+    )

