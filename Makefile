@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := protos/pergrad/v1/tensor.proto protos/pergrad/v1/gradient_service.proto
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps test demo bench protos lint clean
+.PHONY: install system-deps test soak demo bench protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: install
 
 test: install system-deps lint
 	$(PY) -m pytest -q
+
+# The long fuzz run: thousands of random requests of each kind against a live server.
+soak: install
+	PERGRAD_FUZZ_EXAMPLES=3000 $(PY) -m pytest -q tests/server/test_fuzz.py
 
 demo: install
 	$(PY) examples/demo.py

@@ -139,7 +139,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def _service(method: str) -> str:
-    """ "pergrad.v1.GradientService" of "/pergrad.v1.GradientService/ListModels"."""
+    """The service part of a full method name ("/pergrad.v1.GradientService/ListModels")."""
     return method.lstrip("/").rpartition("/")[0]
 
 

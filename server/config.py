@@ -29,6 +29,8 @@ class Config:
     loss: str | None = None
     max_batch: int = 4096
     max_request_bytes: int = 64 << 20
+    max_inflight_examples: int = 16384
+    max_inflight_bytes: int = 4 << 30
     chunk_bytes: int = 1 << 20
     workers: int = 8
     grace_s: float = 10.0
@@ -50,6 +52,8 @@ class Config:
         for flag, value in [
             ("--max-batch", self.max_batch),
             ("--max-request-bytes", self.max_request_bytes),
+            ("--max-inflight-examples", self.max_inflight_examples),
+            ("--max-inflight-bytes", self.max_inflight_bytes),
             ("--chunk-bytes", self.chunk_bytes),
             ("--workers", self.workers),
         ]:
@@ -124,6 +128,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-request-bytes", default=_env("MAX_REQUEST_BYTES", d.max_request_bytes)
     )
+    parser.add_argument(
+        "--max-inflight-examples",
+        default=_env("MAX_INFLIGHT_EXAMPLES", d.max_inflight_examples),
+        help="examples being computed at once; more is refused with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--max-inflight-bytes",
+        default=_env("MAX_INFLIGHT_BYTES", d.max_inflight_bytes),
+        help="result bytes being produced at once; more is refused with RESOURCE_EXHAUSTED",
+    )
     parser.add_argument("--chunk-bytes", default=_env("CHUNK_BYTES", d.chunk_bytes))
     parser.add_argument("--workers", default=_env("WORKERS", d.workers), help="concurrent RPCs")
     parser.add_argument(
@@ -193,6 +207,8 @@ def from_args(args: argparse.Namespace) -> Config:
         loss=args.loss,
         max_batch=_number(args, "max_batch", int),
         max_request_bytes=_number(args, "max_request_bytes", int),
+        max_inflight_examples=_number(args, "max_inflight_examples", int),
+        max_inflight_bytes=_number(args, "max_inflight_bytes", int),
         chunk_bytes=_number(args, "chunk_bytes", int),
         workers=_number(args, "workers", int),
         grace_s=_number(args, "grace_s", float),

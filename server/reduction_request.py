@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pergrad.client._codec import decode_tensor
+from pergrad.server.errors import InvalidArgument
 from pergrad.v1 import gradient_service_pb2 as pb
 
 _PREFIX = "REDUCTION_"
@@ -23,6 +24,12 @@ class ReductionRequest:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def _enum_name(enum: Any, value: int, field: str) -> str:
+    if value not in enum.values():
+        raise InvalidArgument(f"{field}: unknown value {value}; known: {', '.join(enum.keys())}")
+    return enum.Name(value)
+
+
 def reduction_request(request: pb.GradientsRequest) -> ReductionRequest:
     """The engine's reduction name ("none", "norms", ...), variables filter and options."""
     options: dict[str, Any] = {}
@@ -30,12 +37,12 @@ def reduction_request(request: pb.GradientsRequest) -> ReductionRequest:
         if request.HasField(name):
             options[name] = getattr(request, name)
     if request.HasField("projection"):
-        options["kind"] = pb.ProjectionKind.Name(request.projection).removeprefix(_KIND_PREFIX)
-        options["kind"] = options["kind"].lower()
+        kind = _enum_name(pb.ProjectionKind, request.projection, "projection")
+        options["kind"] = kind.removeprefix(_KIND_PREFIX).lower()
     if request.reference:
         options["reference"] = {
             name: decode_tensor(tensor, what=f"reference[{name!r}]")
             for name, tensor in request.reference.items()
         }
-    name = pb.Reduction.Name(request.reduction).removeprefix(_PREFIX).lower()
+    name = _enum_name(pb.Reduction, request.reduction, "reduction").removeprefix(_PREFIX).lower()
     return ReductionRequest(name, list(request.variables) or None, options)

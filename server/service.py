@@ -10,10 +10,12 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError, Message
 
 from pergrad.client import GradientResult
 from pergrad.client._codec import (
@@ -28,6 +30,7 @@ from pergrad.client._codec import (
 )
 from pergrad.client._results import header_for_shapes, result_outputs
 from pergrad.client._wire import RawChunk, encode_chunk, serialize
+from pergrad.server.admission import Admission
 from pergrad.server.config import Config
 from pergrad.server.engine import reductions
 from pergrad.server.errors import InvalidArgument, PergradServerError
@@ -61,6 +64,15 @@ def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics
     context.abort(code, message)
 
 
+def _well_formed(request: Any) -> Any:
+    """The request, or each request of a stream, refused if its bytes did not parse."""
+    if isinstance(request, MalformedRequest):
+        raise InvalidArgument(request.error)
+    if isinstance(request, Message):
+        return request
+    return (_well_formed(item) for item in request)
+
+
 def _status(method: Callable[..., Any]) -> Callable[..., Any]:
     """Map pergrad and codec errors to their status codes, anything else to INTERNAL."""
     if inspect.isgeneratorfunction(method):
@@ -68,7 +80,7 @@ def _status(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                yield from method(self, request, context)
+                yield from method(self, _well_formed(request), context)
             except Exception as err:
                 _abort(context, err, self._metrics)
 
@@ -77,7 +89,7 @@ def _status(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            return method(self, _well_formed(request), context)
         except Exception as err:
             _abort(context, err, self._metrics)
 
@@ -99,6 +111,9 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         self._registry = registry
         self._config = config
         self._metrics = metrics if metrics is not None else ServerMetrics()
+        self._admission = Admission(
+            max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
+        )
 
     @_status
     def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -204,25 +219,30 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         snapshot = served.weights.get(request.model_version)
         asked = reduction_request(request)
         wire = request.wire_dtype
-        if asked.name == reductions.NONE and not asked.options:
-            parts = self._full_gradients(served, snapshot, x, y, asked.variables, wire, context)
-        elif wire:
+        full = asked.name == reductions.NONE and not asked.options
+        if wire and not full:
             raise InvalidArgument("wire_dtype: applies to full gradients (reduction none) only")
-        else:
-            result = served.engine.per_example_gradients(
-                x,
-                y,
-                reduction=asked.name,
-                variables=asked.variables,
-                trainable=snapshot.trainable,
-                **asked.options,
-            )
-            parts = self._whole_result(served.name, snapshot.version, result)
-        for part in parts:
-            if isinstance(part, pb.ResultHeader):
-                yield pb.GradientsResponse(request_id=request.request_id, header=part)
+        selected = served.engine.select(asked.variables)
+        row_bytes = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected) if full else 0
+        examples = x.shape[0] if x.ndim else 0  # a scalar is refused by the engine's checks
+        with self._admission.admit(examples, examples * row_bytes):
+            if full:
+                parts = self._full_gradients(served, snapshot, x, y, asked.variables, wire, context)
             else:
-                yield encode_chunk(request.request_id, *part)
+                result = served.engine.per_example_gradients(
+                    x,
+                    y,
+                    reduction=asked.name,
+                    variables=asked.variables,
+                    trainable=snapshot.trainable,
+                    **asked.options,
+                )
+                parts = self._whole_result(served.name, snapshot.version, result)
+            for part in parts:
+                if isinstance(part, pb.ResultHeader):
+                    yield pb.GradientsResponse(request_id=request.request_id, header=part)
+                else:
+                    yield encode_chunk(request.request_id, *part)
 
     def _whole_result(
         self, model: str, version: int, result: GradientResult
@@ -293,14 +313,35 @@ _HANDLERS = {
 }
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """A request whose bytes are not a valid protobuf message of its type."""
+
+    error: str
+
+
+def _parser(message_class: type) -> Callable[[bytes], Any]:
+    """Deserializer that hands malformed bytes to the handler instead of failing in gRPC,
+    which would answer INTERNAL; the handler answers INVALID_ARGUMENT."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as err:
+            return MalformedRequest(f"{message_class.__name__}: not a valid message: {err}")
+
+    return parse
+
+
 def add_to_server(servicer: GradientServicer, server: grpc.Server) -> None:
     """Register the servicer like the generated `add_GradientServiceServicer_to_server`,
-    except that responses may be pre-encoded bytes (`pergrad.client._wire`)."""
+    except that responses may be pre-encoded bytes (`pergrad.client._wire`) and malformed
+    requests reach the handler (`MalformedRequest`)."""
     service = pb.DESCRIPTOR.services_by_name["GradientService"]
     handlers = {
         method.name: _HANDLERS[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
-            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            request_deserializer=_parser(getattr(pb, method.input_type.name)),
             response_serializer=serialize,
         )
         for method in service.methods

@@ -36,25 +36,34 @@ def check_files(cert: Path | None, key: Path | None, client_ca: Path | None) -> 
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     if cert is None or key is None:
         return
+    context = _check_pair(cert, key)
+    if client_ca is not None:
+        _check_client_ca(context, client_ca)
+
+
+def _check_pair(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server context holding the certificate and its key, or ValueError."""
     read_pem(cert, "--tls-cert")
     read_pem(key, "--tls-key")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(cert, key, password=lambda: b"")
+        context.load_cert_chain(cert, key, password=lambda: b"")  # no prompt if encrypted
     except ssl.SSLError as err:
         raise ValueError(
             f"--tls-cert {str(cert)!r} and --tls-key {str(key)!r} are not a certificate and "
             f"its unencrypted key: {err.reason or err}"
         ) from None
-    if client_ca is not None:
-        read_pem(client_ca, "--tls-client-ca")
-        try:
-            context.load_verify_locations(cafile=client_ca)
-        except ssl.SSLError as err:
-            raise ValueError(
-                f"--tls-client-ca {str(client_ca)!r} holds no usable certificate: "
-                f"{err.reason or err}"
-            ) from None
+    return context
+
+
+def _check_client_ca(context: ssl.SSLContext, client_ca: Path) -> None:
+    read_pem(client_ca, "--tls-client-ca")
+    try:
+        context.load_verify_locations(cafile=client_ca)
+    except ssl.SSLError as err:
+        raise ValueError(
+            f"--tls-client-ca {str(client_ca)!r} holds no usable certificate: {err.reason or err}"
+        ) from None
 
 
 def server_credentials(

@@ -191,6 +191,12 @@ class Engine:
                 " (one label per input example)"
             )
         check_labels(y, self.label_spec)
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))
+            raise InvalidArgument(
+                f"inputs: examples {bad[:10].tolist()} hold NaN or infinity; their gradients "
+                "would be NaN too: drop or fix them"
+            )
 
     def select(self, variables: Sequence[str] | None) -> tuple[VariableSpec, ...]:
         """The named variables in model order (all for None); unknown names are refused."""

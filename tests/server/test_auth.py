@@ -112,6 +112,13 @@ def test_stream_without_token_is_unauthenticated(channel: grpc.Channel) -> None:
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_stream_with_token_returns_every_result(server: RunningServer) -> None:
+    batches = [batch_for((784,), 10, 2, seed=seed) for seed in range(3)]
+    with connect(server, READER) as client:
+        results = list(client.stream("mnist_mlp", batches))
+    assert [r.batch_size for r in results] == [2, 2, 2]
+
+
 def test_read_only_token_computes_gradients(server: RunningServer) -> None:
     x, y = batch_for((784,), 10, 4)
     with connect(server, READER) as client:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pergrad.server.config import ConfigError, parse
+from tests.pki import Pki, make_pki
 
 
 def test_defaults_serve_every_builtin_on_port_50051(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,3 +67,93 @@ def test_non_numeric_environment_value_is_refused(monkeypatch: pytest.MonkeyPatc
         ConfigError, match=r"--max-batch \(or PERGRAD_MAX_BATCH\) must be a number, got .lots."
     ):
         parse([])
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def test_tls_and_token_flags_read_their_environment(
+    monkeypatch: pytest.MonkeyPatch, pki: Pki, tmp_path: Path
+) -> None:
+    (tmp_path / "tokens").write_text("secret\n")
+    monkeypatch.setenv("PERGRAD_TLS_CERT", str(pki.server.cert))
+    monkeypatch.setenv("PERGRAD_TLS_KEY", str(pki.server.key))
+    monkeypatch.setenv("PERGRAD_TLS_CLIENT_CA", str(pki.ca.cert))
+    monkeypatch.setenv("PERGRAD_AUTH_TOKEN_FILE", str(tmp_path / "tokens"))
+    config = parse([])
+    assert (config.tls_cert, config.tls_key) == (pki.server.cert, pki.server.key)
+    assert config.tls_client_ca == pki.ca.cert
+    assert config.auth_token_file == tmp_path / "tokens"
+
+
+def test_security_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA", "AUTH_TOKEN_FILE"):
+        monkeypatch.delenv(f"PERGRAD_{name}", raising=False)
+    config = parse([])
+    assert config.tls_cert is config.tls_key is config.tls_client_ca is None
+    assert config.auth_token_file is None
+
+
+# argv from the test PKI and a scratch directory -> the error it must raise
+_INVALID_SECURITY: list[tuple[Callable[[Pki, Path], list[str]], str]] = [
+    (lambda p, _: ["--tls-cert", str(p.server.cert)], "--tls-cert needs --tls-key"),
+    (lambda p, _: ["--tls-key", str(p.server.key)], "--tls-key needs --tls-cert"),
+    (
+        lambda p, _: ["--tls-client-ca", str(p.ca.cert)],
+        "--tls-client-ca needs --tls-cert and --tls-key",
+    ),
+    (
+        lambda p, d: ["--tls-cert", str(d / "absent.pem"), "--tls-key", str(p.server.key)],
+        "--tls-cert .*absent.pem' cannot be read",
+    ),
+    (
+        lambda p, d: ["--tls-cert", str(p.server.cert), "--tls-key", str(d / "absent.pem")],
+        "--tls-key .*absent.pem' cannot be read",
+    ),
+    (
+        lambda p, _: ["--tls-cert", str(p.server.cert), "--tls-key", str(p.other_server.key)],
+        "are not a certificate and its unencrypted key",
+    ),
+    (
+        lambda p, d: ["--tls-cert", str(p.server.cert), "--tls-key", str(d / "plain.txt")],
+        "--tls-key .*plain.txt' is not a PEM file",
+    ),
+    (
+        lambda p, d: [
+            *("--tls-cert", str(p.server.cert), "--tls-key", str(p.server.key)),
+            *("--tls-client-ca", str(d / "absent.pem")),
+        ],
+        "--tls-client-ca .*absent.pem' cannot be read",
+    ),
+    (
+        lambda p, _: [
+            *("--tls-cert", str(p.server.cert), "--tls-key", str(p.server.key)),
+            *("--tls-client-ca", str(p.client.key)),
+        ],
+        "--tls-client-ca .* holds no usable certificate",
+    ),
+    (
+        lambda _, d: ["--auth-token-file", str(d / "absent")],
+        "--auth-token-file .*absent' cannot be read",
+    ),
+    (
+        lambda _, d: ["--auth-token-file", str(d / "plain.txt")],
+        "--auth-token-file .*plain.txt': line 1: a token is one word",
+    ),
+    (
+        lambda _, d: ["--auth-token-file", str(d / "empty")],
+        "--auth-token-file .*empty': holds no tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), _INVALID_SECURITY)
+def test_unusable_security_settings_are_refused_naming_the_flag(
+    argv: Callable[[Pki, Path], list[str]], message: str, pki: Pki, tmp_path: Path
+) -> None:
+    (tmp_path / "plain.txt").write_text("not a certificate\n")
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match=message):
+        parse(argv(pki, tmp_path))
