@@ -39,6 +39,8 @@ demo: install
 bench: install
 	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/reductions.py
+	$(PY) benchmarks/transport.py
+	$(PY) benchmarks/load.py
 
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos \
