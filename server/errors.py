@@ -28,3 +28,9 @@ class ResourceExhausted(PergradServerError):
 
 class Unimplemented(PergradServerError):
     code = "UNIMPLEMENTED"
+
+
+class Cancelled(PergradServerError):
+    """The caller went away (cancelled, or past its deadline); the work stopped."""
+
+    code = "CANCELLED"

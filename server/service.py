@@ -235,6 +235,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                     reduction=asked.name,
                     variables=asked.variables,
                     trainable=snapshot.trainable,
+                    cancelled=lambda: not context.is_active(),
                     **asked.options,
                 )
                 parts = self._whole_result(served.name, snapshot.version, result)

@@ -12,7 +12,7 @@ per-example tensors, and results are written once, straight into numpy buffers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss, check_labels
 from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.rules import LayerRegistry, default_registry
-from pergrad.server.errors import InvalidArgument
+from pergrad.server.errors import Cancelled, InvalidArgument
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ class SliceResult:
     stop: int
     losses: np.ndarray
     gradients: list[np.ndarray]
+
+
+def _stop_if(cancelled: Callable[[], bool] | None, done: int, total: int) -> None:
+    if cancelled is not None and cancelled():
+        raise Cancelled(f"call cancelled or past its deadline; stopped after {done} of {total}")
 
 
 def _single(tensors: Sequence[Any], what: str, model: keras.Model) -> Any:
@@ -287,6 +292,7 @@ class Engine:
         variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
         out: GradientResult | None = None,
+        cancelled: Callable[[], bool] | None = None,
         **options: Any,
     ) -> GradientResult:
         """Per-example losses [B] and, by `reduction`, full gradients or a reduction of them.
@@ -296,19 +302,20 @@ class Engine:
         as fast as fresh ones). Other reductions take their options as keywords:
         "norms"; "clipped_sum" (max_norm, noise_multiplier, seed); "moments";
         "dot" (reference {variable: [K, *shape]}); "project" (dim, seed, kind).
-        `variables` restricts every mode to the named variables.
+        `variables` restricts every mode to the named variables. `cancelled` is asked
+        between slices; when it answers True the work stops with `Cancelled`.
         """
         selected = self.select(variables)
         if reduction != reductions.NONE:
-            return self._reduce(
-                x, y, selected, trainable, reductions.make_reduction(reduction, selected, options)
-            )
+            reduce = reductions.make_reduction(reduction, selected, options)
+            return self._reduce(x, y, selected, trainable, reduce, cancelled)
         if options:
             raise InvalidArgument(f"{sorted(options)}: not options of reduction 'none'")
         slices = self._slices(x, y, trainable)
         result = out if out is not None else self._allocate(x.shape[0], selected)
         self._check_out(result, x.shape[0], selected)
         for start, stop, losses, grads in slices:
+            _stop_if(cancelled, start, x.shape[0])
             result.losses[start:stop] = losses
             for v in selected:
                 materialize(grads[v.index], result.gradients[v.name][start:stop])
@@ -321,10 +328,12 @@ class Engine:
         selected: Sequence[VariableSpec],
         trainable: Sequence[tf.Tensor] | None,
         reduction: reductions.Reduction,
+        cancelled: Callable[[], bool] | None,
     ) -> GradientResult:
         slices = self._slices(x, y, trainable)
         losses = np.empty(x.shape[0], self.loss_dtype)
         for start, stop, part, grads in slices:
+            _stop_if(cancelled, start, x.shape[0])
             losses[start:stop] = part
             reduction.add({v.name: grads[v.index] for v in selected})
         return GradientResult(losses=losses, model=self.model.name, **reduction.finish())

@@ -9,7 +9,7 @@ import pytest
 from pergrad.server.engine import Engine
 from pergrad.server.engine.reference import References
 from pergrad.server.engine.rules import LayerRegistry
-from pergrad.server.errors import InvalidArgument
+from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests.helpers import assert_close, batch_for, tabular_model
 
@@ -164,3 +164,16 @@ def test_auto_jit_picks_a_route_and_stays_correct() -> None:
     _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
     result = engine.per_example_gradients(x, y)
     assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+
+
+def test_cancelled_work_stops_at_the_next_slice() -> None:
+    engine = Engine(BUILTIN_MODELS["mnist_mlp"](), loss=LOSS, slice_bytes=1, jit_compile=False)
+    x, y = _batch(engine, 5)
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(Cancelled, match="stopped after 2 of 5"):
+        engine.per_example_gradients(x, y, reduction="norms", cancelled=cancelled)
