@@ -32,7 +32,13 @@ import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import current_rss_bytes, interleaved_medians, peak_rss_bytes, run_child
+from harness import (
+    current_rss_bytes,
+    interleaved_medians,
+    peak_rss_bytes,
+    reset_peak_rss,
+    run_child,
+)
 
 from pergrad.server.engine import Engine
 from pergrad.server.engine.reference import References
@@ -103,6 +109,7 @@ def child_memory(workload: str, method: str, batch: int) -> None:
     x, y = make_batch(engine, batch)
     fn = make_methods(engine, x, y)[method]
     before = current_rss_bytes()
+    reset_peak_rss()
     fn()
     fn()
     print(json.dumps({"peak_bytes": peak_rss_bytes() - before}))

@@ -42,8 +42,18 @@ def current_rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+def reset_peak_rss() -> None:
+    """Start the peak-RSS count afresh (Linux: clear_refs 5 resets VmHWM)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak RSS since the process started or `reset_peak_rss` (VmHWM). Not ru_maxrss: a
+    child started by a large parent inherits the parent's ru_maxrss across exec."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def run_child(

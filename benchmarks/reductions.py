@@ -20,10 +20,7 @@ import argparse
 import functools
 import json
 import os
-import re
-import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,9 +30,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import make_batch, make_engine
-from harness import current_rss_bytes, interleaved_medians, peak_rss_bytes, run_child
+from harness import (
+    current_rss_bytes,
+    interleaved_medians,
+    peak_rss_bytes,
+    reset_peak_rss,
+    run_child,
+)
 
 from pergrad.client import GradientClient
+from pergrad.client.local import LocalServer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.reference import References
 
@@ -99,45 +103,17 @@ def numpy_reduction(mode: str, grads: dict[str, np.ndarray], options: dict) -> o
     )
 
 
-def start_server(workload: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pergrad.client.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--model",
-            workload,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stderr:
-        if match := re.search(r"pergrad ready on (\S+:\d+)", line):
-            threading.Thread(target=process.stderr.read, daemon=True).start()
-            return process, match.group(1)
-    raise RuntimeError("server exited before it was ready")
-
-
 def client_side(workload: str, batch: int, repeats: int) -> dict[str, float]:
     """Median fetch time of full tensors plus median numpy time per mode, seconds."""
     engine = make_engine(workload, pergrad=False)
     x, y = make_batch(engine, batch)
-    process, target = start_server(workload)
-    try:
-        with GradientClient(target, timeout=600) as client:
-            fetch = lambda: client.per_example_gradients(workload, x, y)  # noqa: E731
-            fetched = fetch()
-            fetch_s = interleaved_medians({"fetch": fetch}, repeats=max(1, repeats // 2))["fetch"]
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    with (
+        LocalServer("--model", workload) as server,
+        GradientClient(server.target, timeout=600) as client,
+    ):
+        fetch = functools.partial(client.per_example_gradients, workload, x, y)
+        fetched = fetch()
+        fetch_s = interleaved_medians({"fetch": fetch}, repeats=max(1, repeats // 2))["fetch"]
     options = {m: options_for(m, engine) for m in MODES}
     reduce = {
         m: functools.partial(numpy_reduction, m, fetched.gradients, options[m]) for m in MODES
@@ -150,6 +126,7 @@ def child_memory(workload: str, method: str, batch: int) -> None:
     x, y = make_batch(engine, batch)
     fn = make_methods(engine, x, y)[method]
     before = current_rss_bytes()
+    reset_peak_rss()
     fn()
     fn()
     print(json.dumps({"peak_bytes": peak_rss_bytes() - before}))

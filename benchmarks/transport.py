@@ -34,9 +34,16 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import current_rss_bytes, interleaved_medians, peak_rss_bytes, run_child
+from harness import (
+    current_rss_bytes,
+    interleaved_medians,
+    peak_rss_bytes,
+    reset_peak_rss,
+    run_child,
+)
 
 from pergrad.client import GradientClient
+from pergrad.client.local import LocalServer
 
 MLP_ROW_BYTES = 101_770 * 4 + 4  # one example's gradients and loss
 SIZES = {"25MB": 64, "250MB": 614}  # mnist_mlp examples per batch
@@ -58,18 +65,8 @@ def spawn(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 def pergrad_server(*flags: str) -> tuple[subprocess.Popen, str]:
-    return spawn(
-        "-m",
-        "pergrad.client.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        *flags,
-    )
+    server = LocalServer(*flags)
+    return server.process, server.target
 
 
 # -- raw ceiling -------------------------------------------------------------------------
@@ -171,6 +168,7 @@ def child_client_memory(target: str, batch: int) -> None:
         x, y = mlp_batch(batch)
         client.model_info("mnist_mlp")
         before = current_rss_bytes()
+        reset_peak_rss()
         result = client.per_example_gradients("mnist_mlp", x, y)
         size = sum(g.nbytes for g in result.gradients.values()) + result.losses.nbytes
         print(json.dumps({"peak": peak_rss_bytes() - before, "result": size}))

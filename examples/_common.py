@@ -6,10 +6,6 @@ Everything here uses only the public client API (`pergrad.client`), as a trainer
 from __future__ import annotations
 
 import contextlib
-import re
-import subprocess
-import sys
-import threading
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -17,6 +13,7 @@ from scipy.ndimage import zoom
 from sklearn.datasets import load_digits
 
 from pergrad.client import GradientClient
+from pergrad.client.local import LocalServer
 
 # The built-in models' last layer: the Dense layer that produces the 10 logits.
 LAST_LAYER = ["logits/kernel", "logits/bias"]
@@ -47,22 +44,8 @@ def server(target: str | None, model: str) -> Iterator[str]:
     if target:
         yield target
         return
-    command = [sys.executable, "-m", "pergrad.client.cli", "serve", "--host", "127.0.0.1"]
-    command += ["--port", "0", "--metrics-port", "0", "--model", model]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    try:
-        for line in process.stderr:
-            if match := re.search(r"pergrad ready on (\S+:\d+)", line):
-                threading.Thread(target=process.stderr.read, daemon=True).start()
-                yield match.group(1)
-                return
-            log.append(line)
-        status = process.wait()
-        raise RuntimeError(f"pergrad serve exited with {status}:\n{''.join(log[-5:])}")
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    with LocalServer("--model", model) as local:
+        yield local.target
 
 
 def batches(

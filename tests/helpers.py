@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
-import sys
-import threading
 from collections.abc import Mapping
 
 import keras
 import numpy as np
+
+from pergrad.client.local import LocalServer
 
 # float32 results of the vectorized pass and of the batch-size-1 loop sum the same terms in
 # different orders (and oneDNN picks different kernels per batch size), so they differ by
@@ -66,32 +65,9 @@ def batch_for(shape: tuple[int, ...], classes: int, size: int, seed: int = 0):
 
 
 def spawn_server(*flags: str) -> tuple[subprocess.Popen, str]:
-    """`pergrad serve` in a process of its own on 127.0.0.1, port 0: (process, target).
-
-    Its log is drained in a thread so that the process never blocks on a full pipe.
-    """
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pergrad.client.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            *flags,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    for line in process.stderr:
-        if match := re.search(r"pergrad ready on (\S+:\d+)", line):
-            threading.Thread(target=process.stderr.read, daemon=True).start()
-            return process, match.group(1)
-    raise RuntimeError(f"pergrad serve exited with {process.wait()} before it was ready")
+    """`pergrad serve` in a process of its own on 127.0.0.1, port 0: (process, target)."""
+    server = LocalServer(*flags)
+    return server.process, server.target
 
 
 def stop_server(process: subprocess.Popen) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient
+from tests.helpers import spawn_server, stop_server
 
 PERGRAD = [sys.executable, "-m", "pergrad.client.cli"]
 SERVE = [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
@@ -21,23 +20,9 @@ SERVE = [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-por
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[subprocess.Popen, str]]:
-    process = subprocess.Popen(
-        [*SERVE, "--model", "mnist_mlp"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    target = None
-    for line in process.stderr:
-        if match := re.search(r"pergrad ready on (\S+:\d+)", line):
-            target = match.group(1)
-            break
-    assert target, "server never logged its ready line"
-    drain = threading.Thread(target=process.stderr.read, daemon=True)
-    drain.start()
+    process, target = spawn_server("--model", "mnist_mlp")
     yield process, target
-    if process.poll() is None:
-        process.kill()
-    process.wait(timeout=30)
+    stop_server(process)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
