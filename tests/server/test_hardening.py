@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.client._codec import iter_chunks, tensor_spec
+from pergrad.client._codec import encode_tensor, iter_chunks, tensor_spec
 from pergrad.server.config import Config
 from pergrad.server.engine.losses import PerExampleLoss
 from pergrad.server.engine.reference import References
@@ -20,6 +20,7 @@ from pergrad.server.main import RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+from pergrad.v1 import tensor_pb2
 from tests.helpers import assert_close, batch_for
 
 
@@ -176,3 +177,106 @@ def test_set_weights_racing_gradient_requests_never_tears(small_server) -> None:
     for result in seen:
         want = expected[result.model_version]
         assert_close(result.gradients, dict(zip(result.gradients, want, strict=True)))
+
+
+def _tensor(array: np.ndarray, *, shape=None, content=None, dtype=None) -> tensor_pb2.Tensor:
+    tensor = encode_tensor(array)
+    if shape is not None:
+        del tensor.shape[:]
+        tensor.shape.extend(shape)
+    if content is not None:
+        tensor.content = content
+    if dtype is not None:
+        tensor.dtype = dtype
+    return tensor
+
+
+_X = np.zeros((2, 784), np.float32)
+_Y = np.zeros(2, np.int32)
+BAD_REQUESTS = {
+    "inputs rank": (dict(inputs=_tensor(np.zeros(784, np.float32))), "INVALID_ARGUMENT", "inputs"),
+    "inputs shape": (
+        dict(inputs=_tensor(np.zeros((2, 783), np.float32))),
+        "INVALID_ARGUMENT",
+        "inputs: shape [2, 783]",
+    ),
+    "inputs dtype": (
+        dict(inputs=_tensor(np.zeros((2, 784), np.int32))),
+        "INVALID_ARGUMENT",
+        "inputs: dtype int32",
+    ),
+    "labels rank": (
+        dict(labels=_tensor(np.zeros((2, 1), np.int32))),
+        "INVALID_ARGUMENT",
+        "labels: shape [2, 1]",
+    ),
+    "labels dtype": (
+        dict(labels=_tensor(np.zeros(2, np.float32))),
+        "INVALID_ARGUMENT",
+        "labels: dtype float32",
+    ),
+    "different B": (
+        dict(labels=_tensor(np.zeros(3, np.int32))),
+        "INVALID_ARGUMENT",
+        "labels: shape [3]",
+    ),
+    "empty batch": (
+        dict(inputs=_tensor(np.zeros((0, 784), np.float32)), labels=_tensor(np.zeros(0, np.int32))),
+        "INVALID_ARGUMENT",
+        "empty batch",
+    ),
+    "over max batch": (
+        dict(inputs=_tensor(_X, shape=[5000, 784], content=b"")),
+        "INVALID_ARGUMENT",
+        "exceeds --max-batch",
+    ),
+    "bytes vs shape": (
+        dict(inputs=_tensor(_X, content=b"\0" * 10)),
+        "INVALID_ARGUMENT",
+        "inputs: float32 [2, 784] needs 6272 bytes, got 10",
+    ),
+    "unknown dtype": (
+        dict(inputs=_tensor(_X, dtype=42)),
+        "INVALID_ARGUMENT",
+        "unsupported dtype 42",
+    ),
+    "non-finite": (
+        dict(inputs=_tensor(np.full((2, 784), np.nan, np.float32))),
+        "INVALID_ARGUMENT",
+        "NaN or infinity",
+    ),
+    "label range": (
+        dict(labels=_tensor(np.array([0, 12], np.int32))),
+        "INVALID_ARGUMENT",
+        "class index 12",
+    ),
+    "unknown model": (dict(model="resnet"), "NOT_FOUND", "model 'resnet' not found"),
+    "unknown variable": (
+        dict(variables=["hidden/nope"]),
+        "INVALID_ARGUMENT",
+        "variables: unknown ['hidden/nope']",
+    ),
+    "stale pin": (dict(model_version=99), "FAILED_PRECONDITION", "model_version 99"),
+    "unknown reduction": (dict(reduction=17), "INVALID_ARGUMENT", "reduction: unknown value 17"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_request_table(small_server, case: str) -> None:
+    """Each row: the expected code, a message naming the field, the server still healthy
+    and the weights unchanged."""
+    fields, code, message = BAD_REQUESTS[case]
+    request = pb.GradientsRequest(
+        **{"model": "mnist_mlp", "inputs": _tensor(_X), "labels": _tensor(_Y), **fields}
+    )
+    with GradientClient(_target(small_server)) as client:
+        version = client.get_weights("mnist_mlp")[0]
+    with grpc.insecure_channel(_target(small_server)) as channel:
+        call = channel.unary_stream("/pergrad.v1.GradientService/ComputePerExampleGradients")
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(request.SerializeToString(), timeout=30))
+    assert err.value.code().name == code
+    assert message in err.value.details()
+    assert _serving(small_server)
+    with GradientClient(_target(small_server)) as client:
+        assert client.get_weights("mnist_mlp")[0] == version
