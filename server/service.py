@@ -224,8 +224,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             raise InvalidArgument("wire_dtype: applies to full gradients (reduction none) only")
         selected = served.engine.select(asked.variables)
         row_bytes = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected) if full else 0
-        examples = x.shape[0] if x.ndim else 0  # a scalar is refused by the engine's checks
-        with self._admission.admit(examples, examples * row_bytes):
+        served.engine.check_batch(x, y)  # a malformed batch is refused before admission
+        with self._admission.admit(x.shape[0], x.shape[0] * row_bytes):
             if full:
                 parts = self._full_gradients(served, snapshot, x, y, asked.variables, wire, context)
             else:
