@@ -16,7 +16,6 @@ client memory    peak RSS of a client process receiving the 250 MB result
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -137,6 +136,17 @@ def serve_replay(batch: int) -> None:
     running.server.wait_for_termination()
 
 
+def refilling(client: GradientClient, model: str, x, y, **kwargs) -> Callable[[], object]:
+    """A remote call that refills the previous result's arrays, as a trainer's loop would."""
+    kept: dict[str, object] = {}
+
+    def call() -> object:
+        kept["out"] = client.per_example_gradients(model, x, y, out=kept.get("out"), **kwargs)
+        return kept["out"]
+
+    return call
+
+
 def mlp_batch(batch: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     return rng.random((batch, 784), dtype=np.float32), rng.integers(0, 10, batch).astype(np.int32)
@@ -208,9 +218,7 @@ def measure(repeats: int) -> list[str]:
             x, y = mlp_batch(batch)
             with GradientClient(replay[name][1], timeout=300) as client:
                 fns = {
-                    dtype: functools.partial(
-                        client.per_example_gradients, "mnist_mlp", x, y, wire_dtype=dtype
-                    )
+                    dtype: refilling(client, "mnist_mlp", x, y, wire_dtype=dtype)
                     for dtype in ("float32", "bfloat16")
                 }
                 medians = interleaved_medians(fns, repeats=repeats)
@@ -250,14 +258,14 @@ def end_to_end(rows: list[str], row: Callable, repeats: int) -> None:
         x, y = mlp_batch(256)
         with GradientClient(replay_target, timeout=300) as client:
             transport = interleaved_medians(
-                {"t": lambda: client.per_example_gradients("mnist_mlp", x, y)}, repeats=repeats
+                {"t": refilling(client, "mnist_mlp", x, y)}, repeats=repeats
             )["t"]
         for model, batch_fn in (("mnist_mlp", mlp_batch), ("mnist_cnn", cnn_batch)):
             x, y = batch_fn(256)
             engine = engine_seconds(model, 256, repeats)
             with GradientClient(servers[0][1], timeout=300) as client:
                 remote = interleaved_medians(
-                    {"r": lambda c=client, m=model, a=x, b=y: c.per_example_gradients(m, a, b)},
+                    {"r": refilling(client, model, x, y)},
                     repeats=repeats,
                 )["r"]
             size = 101_770 if model == "mnist_mlp" else 26_010

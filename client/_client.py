@@ -185,6 +185,7 @@ class GradientClient:
         model_version: int = 0,
         wire_dtype: str | None = None,
         upcast: bool = False,
+        out: GradientResult | None = None,
         timeout: float | None = None,
         **options: Any,
     ) -> GradientResult:
@@ -200,6 +201,8 @@ class GradientClient:
             model_version: pin the weights: FAILED_PRECONDITION unless it is current.
             wire_dtype: "float16" or "bfloat16" halves the bytes of full gradients;
                 they arrive in that dtype, or as float32 with `upcast=True`.
+            out: a previous result of the same call shape whose arrays are refilled
+                in place (no fresh allocation of a large result in a loop).
         """
         x, y = np.asarray(x), np.asarray(y)
         size = self._micro_batch or len(x)
@@ -220,18 +223,25 @@ class GradientClient:
                 options=part_options,
             )
             calls.append(functools.partial(self._compute, request, timeout or self._timeout))
+        if out is not None and len(calls) > 1:
+            raise ValueError("out= refills one result; it does not combine with micro_batch")
         if len(calls) == 1:
-            result = calls[0]()
+            result = calls[0](out)
         else:
             result = merge([f.result() for f in [self._pool.submit(c) for c in calls]])
         return _upcast(result) if upcast else result
 
-    def _compute(self, request: pb.GradientsRequest, timeout: float | None) -> GradientResult:
+    def _compute(
+        self,
+        request: pb.GradientsRequest,
+        timeout: float | None,
+        out: GradientResult | None = None,
+    ) -> GradientResult:
         """One call, sent again while its replica is gone and retries remain."""
         for attempt in range(self._retries + 1):
             try:
                 responses = self._compute_call(request, timeout=timeout)
-                results = [result for _, result in read_results(responses)]
+                results = [result for _, result in read_results(responses, out=out)]
             except grpc.RpcError as err:
                 if err.code() in _RETRYABLE and attempt < self._retries:
                     continue

@@ -130,7 +130,15 @@ class TensorAssembler:
     rather than a silently wrong tensor.
     """
 
-    def __init__(self, specs: Sequence[pb.TensorSpec], *, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        specs: Sequence[pb.TensorSpec],
+        *,
+        max_bytes: int | None = None,
+        into: Sequence[np.ndarray] | None = None,
+    ) -> None:
+        """`into`: arrays to fill instead of fresh ones (warm buffers fill faster); each
+        must have its spec's dtype and shape and be C-contiguous and writeable."""
         self._arrays: list[np.ndarray] = []
         self._bytes: list[memoryview] = []
         self._filled: list[int] = []
@@ -142,8 +150,15 @@ class TensorAssembler:
             total += declared_nbytes(dtype, shape)
             if max_bytes is not None and total > max_bytes:
                 raise CodecError(f"tensors declare more than the limit of {max_bytes} bytes")
-        for spec in specs:
-            array = np.empty(tuple(spec.shape), dtype=numpy_dtype(spec.dtype))
+        if into is not None and len(into) != len(specs):
+            raise CodecError(f"{len(into)} arrays to fill for {len(specs)} tensors")
+        for index, spec in enumerate(specs):
+            dtype, shape = numpy_dtype(spec.dtype), tuple(spec.shape)
+            array = np.empty(shape, dtype=dtype) if into is None else into[index]
+            if (array.dtype, array.shape) != (dtype, shape) or not (
+                array.flags.c_contiguous and array.flags.writeable
+            ):
+                raise CodecError(f"tensor {spec.name!r}: the array to fill does not fit it")
             self._arrays.append(array)
             self._bytes.append(_byte_view(array))
             self._filled.append(0)

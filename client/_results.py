@@ -88,9 +88,24 @@ def result_from_arrays(header: pb.ResultHeader, arrays: Sequence[np.ndarray]) ->
     )
 
 
-def read_results(responses: Iterator[bytes]) -> Iterator[tuple[int, GradientResult]]:
+def _arrays_of(result: GradientResult, header: pb.ResultHeader) -> list[np.ndarray]:
+    """The arrays of `result` in the order the header lists its outputs."""
+    arrays = []
+    for output in header.outputs:
+        value = getattr(result, output.field, None)
+        if output.field in PER_VARIABLE:
+            value = value.get(output.tensor.name)
+        if not isinstance(value, np.ndarray):
+            raise CodecError(f"out= has no array for {output.field} {output.tensor.name!r}")
+        arrays.append(value)
+    return arrays
+
+
+def read_results(
+    responses: Iterator[bytes], *, out: GradientResult | None = None
+) -> Iterator[tuple[int, GradientResult]]:
     """(request_id, result) for each complete result in a stream of serialized
-    GradientsResponses (see `_wire`), in order."""
+    GradientsResponses (see `_wire`), in order; `out`'s arrays are refilled if given."""
     header: pb.ResultHeader | None = None
     assembler: TensorAssembler | None = None
     request_id = 0
@@ -101,7 +116,8 @@ def read_results(responses: Iterator[bytes]) -> Iterator[tuple[int, GradientResu
                 if assembler is not None:
                     raise CodecError(f"result {request_id} ended before all its bytes arrived")
                 header, request_id = part.header, part.request_id
-                assembler = TensorAssembler([o.tensor for o in header.outputs])
+                into = _arrays_of(out, header) if out is not None else None
+                assembler = TensorAssembler([o.tensor for o in header.outputs], into=into)
             elif assembler is None or part.chunk is None or part.request_id != request_id:
                 raise CodecError("chunk without a header for its request")
             else:

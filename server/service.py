@@ -294,13 +294,20 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         )
         header.server = self._config.replica_name
         yield header
-        for part in prefetched(blocks, stop=lambda: not context.is_active()):
-            arrays = [
-                part.losses,
-                *(g.astype(d, copy=False) for g, d in zip(part.gradients, dtypes, strict=True)),
-            ]
+        # The cast to the wire dtype runs in the prefetch thread too, beside the sending.
+        casted = (
+            (
+                part.start,
+                [
+                    part.losses,
+                    *(g.astype(d, copy=False) for g, d in zip(part.gradients, dtypes, strict=True)),
+                ],
+            )
+            for part in blocks
+        )
+        for first, arrays in prefetched(casted, stop=lambda: not context.is_active()):
             for index, array in enumerate(arrays):
-                start = part.start * (array.nbytes // array.shape[0])
+                start = first * (array.nbytes // array.shape[0])
                 yield from iter_raw_chunks(
                     index, array, start=start, chunk_bytes=self._config.chunk_bytes
                 )

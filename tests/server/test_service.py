@@ -266,3 +266,21 @@ def test_wire_dtype_with_a_reduction_is_refused(client: GradientClient) -> None:
     with pytest.raises(PergradError, match="wire_dtype: applies to full gradients") as err:
         client.per_example_gradients("mnist_mlp", x, y, reduction="norms", wire_dtype="float16")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_out_refills_the_arrays_of_a_previous_result(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 4)
+    first = client.per_example_gradients("mnist_mlp", x, y)
+    kernel = first.gradients["hidden/kernel"]
+    x2, y2 = _batch(client, "mnist_mlp", 4, seed=9)
+    again = client.per_example_gradients("mnist_mlp", x2, y2, out=first)
+    assert again.gradients["hidden/kernel"] is kernel
+    fresh = client.per_example_gradients("mnist_mlp", x2, y2)
+    np.testing.assert_array_equal(kernel, fresh.gradients["hidden/kernel"])
+
+
+def test_out_of_another_shape_is_refused(client: GradientClient) -> None:
+    x, y = _batch(client, "mnist_mlp", 4)
+    small = client.per_example_gradients("mnist_mlp", x[:2], y[:2])
+    with pytest.raises(PergradError, match="does not fit"):
+        client.per_example_gradients("mnist_mlp", x, y, out=small)
