@@ -53,11 +53,6 @@ def wire_dtype(dtype: np.dtype | str | type) -> int:
         raise CodecError(f"dtype {name} cannot travel; supported: {supported}") from None
 
 
-def dtype_name(code: int) -> str:
-    """Short readable name of a wire DataType, e.g. 'float32'."""
-    return numpy_dtype(code).name
-
-
 def _little_endian(array: np.ndarray) -> np.ndarray:
     dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
     return np.ascontiguousarray(array, dtype=dtype)

@@ -48,7 +48,3 @@ class Admission:
             with self._lock:
                 self._examples -= examples
                 self._bytes -= nbytes
-
-    @property
-    def in_flight(self) -> tuple[int, int]:
-        return self._examples, self._bytes

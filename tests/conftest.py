@@ -14,7 +14,7 @@ import pytest
 from pergrad.client import GradientClient
 from pergrad.server.config import Config
 from pergrad.server.main import RunningServer, start
-from tests.helpers import KERAS_MODEL_NAME, tabular_model
+from tests.helpers import KERAS_MODEL_NAME, loopback_config, tabular_model
 
 
 @pytest.fixture(scope="session")
@@ -25,15 +25,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model_dir: Path, *models: str) -> Config:
-    return Config(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        models=models,
-        model_dir=model_dir,
-        max_batch=512,
-        jit_compile="off",
-    )
+    return loopback_config(*models, model_dir=model_dir, max_batch=512)
 
 
 @pytest.fixture(scope="session")

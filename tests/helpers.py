@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from pergrad.client.local import LocalServer
+from pergrad.server.config import Config
 
 # float32 results of the vectorized pass and of the batch-size-1 loop sum the same terms in
 # different orders (and oneDNN picks different kernels per batch size), so they differ by
@@ -74,3 +75,17 @@ def stop_server(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.kill()
     process.wait(timeout=30)
+
+
+def loopback_config(*models: str, **settings: object) -> Config:
+    """A test server's config: 127.0.0.1, free ports, no XLA timing, these models."""
+    return Config(
+        **{
+            "host": "127.0.0.1",
+            "port": 0,
+            "metrics_port": 0,
+            "jit_compile": "off",
+            "models": models,
+            **settings,
+        }
+    )

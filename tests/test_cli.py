@@ -25,6 +25,21 @@ def served() -> Iterator[tuple[subprocess.Popen, str]]:
     stop_server(process)
 
 
+def _grads(target: str, model: str, data: Path, out: Path, *flags: str):
+    return _run(
+        "grads",
+        "--target",
+        target,
+        "--model",
+        model,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        *flags,
+    )
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*PERGRAD, *args], capture_output=True, text=True, timeout=120)
 
@@ -43,18 +58,8 @@ def test_grads_writes_per_example_gradients_of_a_dataset(served, tmp_path: Path)
     x = rng.random((10, 784), dtype=np.float32)
     y = rng.integers(0, 10, 10)
     np.savez(tmp_path / "data.npz", x=x, y=y)
-    run = _run(
-        "grads",
-        "--target",
-        target,
-        "--model",
-        "mnist_mlp",
-        "--batch-size",
-        "4",
-        "--data",
-        str(tmp_path / "data.npz"),
-        "--out",
-        str(tmp_path / "g.npz"),
+    run = _grads(
+        target, "mnist_mlp", tmp_path / "data.npz", tmp_path / "g.npz", "--batch-size", "4"
     )
     assert run.returncode == 0, run.stderr
     assert "wrote" in run.stdout and "10 examples, 5 arrays (none)" in run.stdout
@@ -76,12 +81,11 @@ def test_grads_writes_server_side_norms_and_projections(served, tmp_path: Path) 
         direct = client.per_example_gradients("mnist_mlp", x, y)
     for reduction in ("norms", "project"):
         out = tmp_path / f"{reduction}.npz"
-        run = _run(
-            "grads",
-            "--target",
+        run = _grads(
             target,
-            "--model",
             "mnist_mlp",
+            tmp_path / "data.npz",
+            out,
             "--batch-size",
             "4",
             "--reduction",
@@ -89,10 +93,6 @@ def test_grads_writes_server_side_norms_and_projections(served, tmp_path: Path) 
             "--dim",
             "8",
             "--quiet",
-            "--data",
-            str(tmp_path / "data.npz"),
-            "--out",
-            str(out),
         )
         assert run.returncode == 0, run.stderr
         written = np.load(out)
@@ -106,18 +106,7 @@ def test_grads_writes_server_side_norms_and_projections(served, tmp_path: Path) 
 def test_unknown_model_fails_with_the_server_message(served, tmp_path: Path) -> None:
     _, target = served
     np.savez(tmp_path / "d.npz", x=np.zeros((1, 784)), y=np.zeros(1, int))
-    run = _run(
-        "grads",
-        "--target",
-        target,
-        "--model",
-        "nope",
-        "--quiet",
-        "--data",
-        str(tmp_path / "d.npz"),
-        "--out",
-        str(tmp_path / "o.npz"),
-    )
+    run = _grads(target, "nope", tmp_path / "d.npz", tmp_path / "o.npz", "--quiet")
     assert run.returncode == 1
     assert "NOT_FOUND: model 'nope' not found" in run.stderr
 

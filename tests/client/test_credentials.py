@@ -19,7 +19,7 @@ from pergrad.client._channels import tls_name_options
 from pergrad.client._credentials import Security
 from pergrad.server.config import Config
 from pergrad.server.main import RunningServer, start
-from tests.helpers import batch_for
+from tests.helpers import batch_for, loopback_config
 from tests.pki import Pki, make_pki
 
 TOKEN = "replica-token-5e1f"
@@ -45,12 +45,8 @@ def replica_config(name: str, token_file: Path, pki: Pki | None) -> Config:
     if pki is not None:
         tls = {"tls_cert": pki.server.cert, "tls_key": pki.server.key}
         tls["tls_client_ca"] = pki.ca.cert
-    return Config(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        models=("mnist_mlp",),
-        jit_compile="off",
+    return loopback_config(
+        "mnist_mlp",
         replica_name=name,
         auth_token_file=token_file,
         **tls,

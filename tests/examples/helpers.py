@@ -8,8 +8,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from pergrad.server.config import Config
 from pergrad.server.main import start
+from tests.helpers import loopback_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -18,16 +18,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def fresh_target() -> Iterator[str]:
     """A server of its own on 127.0.0.1 (port 0) with both built-in digit models: the
     examples train, so each gets the initial weights."""
-    running = start(
-        Config(
-            host="127.0.0.1",
-            port=0,
-            metrics_port=0,
-            models=("mnist_mlp", "mnist_cnn"),
-            max_batch=512,
-            jit_compile="off",
-        )
-    )
+    running = start(loopback_config("mnist_mlp", "mnist_cnn", max_batch=512))
     try:
         yield f"127.0.0.1:{running.port}"
     finally:

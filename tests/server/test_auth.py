@@ -17,11 +17,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.server.auth import TokenFileError, parse_tokens
-from pergrad.server.config import Config
 from pergrad.server.main import SERVICE_NAME, RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
-from tests.helpers import batch_for
+from tests.helpers import batch_for, loopback_config
 from tests.prometheus import sample_value, scrape
 
 WRITER, READER = "writer-4f6c2a", "reader-9b1d7e"
@@ -37,16 +36,7 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(token_file: Path) -> Iterator[RunningServer]:
-    running = start(
-        Config(
-            host="127.0.0.1",
-            port=0,
-            metrics_port=0,
-            models=("mnist_mlp",),
-            jit_compile="off",
-            auth_token_file=token_file,
-        )
-    )
+    running = start(loopback_config("mnist_mlp", auth_token_file=token_file))
     yield running
     running.stop(0)
 

@@ -13,9 +13,8 @@ import grpc
 import pytest
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.config import Config
 from pergrad.server.main import RunningServer, start
-from tests.helpers import batch_for
+from tests.helpers import batch_for, loopback_config
 from tests.prometheus import sample_value, scrape
 
 BIG = 200  # wide_mlp: 200 x 7.4 MB of per-example gradients, seconds to compute and send
@@ -23,9 +22,7 @@ BIG = 200  # wide_mlp: 200 x 7.4 MB of per-example gradients, seconds to compute
 
 @pytest.fixture(scope="module")
 def wide_server() -> Iterator[RunningServer]:
-    running = start(
-        Config(host="127.0.0.1", port=0, metrics_port=0, models=("wide_mlp",), jit_compile="off")
-    )
+    running = start(loopback_config("wide_mlp"))
     yield running
     running.stop(0)
 

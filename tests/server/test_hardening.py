@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.client._codec import encode_tensor, iter_chunks, tensor_spec
-from pergrad.server.config import Config
 from pergrad.server.engine.losses import PerExampleLoss
 from pergrad.server.engine.reference import References
 from pergrad.server.main import RunningServer, start
@@ -21,19 +20,15 @@ from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
-from tests.helpers import assert_close, batch_for
+from tests.helpers import assert_close, batch_for, loopback_config
 
 
 @pytest.fixture()
 def small_server(tmp_path: Path) -> Iterator[RunningServer]:
     """mnist_mlp with tight limits: 1 MiB requests, 40 examples or 8 MB of results at once."""
     running = start(
-        Config(
-            host="127.0.0.1",
-            port=0,
-            metrics_port=0,
-            models=("mnist_mlp",),
-            jit_compile="off",
+        loopback_config(
+            "mnist_mlp",
             max_request_bytes=1 << 20,
             max_inflight_examples=40,
             max_inflight_bytes=8_000_000,

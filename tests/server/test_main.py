@@ -22,14 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pergrad.client import GradientClient, GradientResult
 from pergrad.server.config import Config
 from pergrad.server.main import start
-from tests.helpers import batch_for
+from tests.helpers import batch_for, loopback_config
 
 READY = re.compile(r"pergrad ready on (\S+:\d+) .* metrics on http://\S+:(\d+)/metrics")
 
 
 def _config(**overrides: object) -> Config:
-    settings = {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "models": ("mnist_mlp",)}
-    return Config(**{**settings, "jit_compile": "off", **overrides})
+    return loopback_config("mnist_mlp", **overrides)
 
 
 def test_ready_line_names_the_grpc_and_metrics_ports(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,7 +18,7 @@ from pergrad.client import GradientClient, PergradError
 from pergrad.server.config import Config
 from pergrad.server.main import RunningServer, build_registry, start
 from pergrad.server.models.registry import ModelRegistry
-from tests.helpers import batch_for
+from tests.helpers import batch_for, loopback_config
 from tests.pki import Pki, make_pki
 from tests.prometheus import sample_names, scrape
 
@@ -32,12 +32,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 def secure_config(pki: Pki, *, client_ca: Path | None = None) -> Config:
     """A 127.0.0.1 server with the PKI's server certificate (and `client_ca` for mTLS)."""
-    return Config(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        models=("mnist_mlp",),
-        jit_compile="off",
+    return loopback_config(
+        "mnist_mlp",
         tls_cert=pki.server.cert,
         tls_key=pki.server.key,
         tls_client_ca=client_ca,
