@@ -6,9 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := protos/pergrad/v1/tensor.proto protos/pergrad/v1/gradient_service.proto
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps test soak demo bench protos lint clean
+.PHONY: install system-deps test soak demo bench protos lint wheel clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[server,dev]'
@@ -33,6 +33,11 @@ test: install system-deps lint
 soak: install
 	PERGRAD_FUZZ_EXAMPLES=3000 $(PY) -m pytest -q tests/server/test_fuzz.py
 
+# The one wheel users, the container images and the installed-package test all install.
+wheel: install
+	rm -rf build dist
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+
 demo: install
 	$(PY) examples/demo.py
 
@@ -47,4 +52,4 @@ protos: install
 		--pyi_out=protos $(PROTOS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -13,6 +13,11 @@ from pergrad.server.auth import TokenFileError, load_tokens
 from pergrad.server.tls import check_files
 
 JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
+# /metrics listens on the gRPC port + METRICS_PORT_OFFSET unless told otherwise: away from
+# Prometheus' own 9090 and from the exporter range 9100-9999 (all allocated; the Prometheus
+# docs advise other applications to stay outside it), and two servers on one host with
+# their own gRPC ports get their own metrics ports too.
+METRICS_PORT_OFFSET = 100
 
 
 class ConfigError(ValueError):
@@ -23,7 +28,7 @@ class ConfigError(ValueError):
 class Config:
     host: str = "0.0.0.0"
     port: int = 50051
-    metrics_port: int = 9090
+    metrics_port: int | None = None  # None: port + METRICS_PORT_OFFSET (0 with port 0)
     models: tuple[str, ...] = ()
     model_dir: Path | None = None
     loss: str | None = None
@@ -43,10 +48,18 @@ class Config:
     tls_client_ca: Path | None = None
     auth_token_file: Path | None = None
 
+    def __post_init__(self) -> None:
+        if self.metrics_port is None:
+            derived = self.port + METRICS_PORT_OFFSET if self.port else 0
+            object.__setattr__(self, "metrics_port", derived)
+
     def validate(self) -> Config:
         for flag, port in [("--port", self.port), ("--metrics-port", self.metrics_port)]:
             if not 0 <= port <= 65535:
-                raise ConfigError(f"{flag} must be in [0, 65535], got {port}")
+                raise ConfigError(
+                    f"{flag} must be in [0, 65535], got {port} (--metrics-port defaults to "
+                    f"--port + {METRICS_PORT_OFFSET})"
+                )
         if self.metrics_port == self.port != 0:
             raise ConfigError(f"--metrics-port must differ from --port, both are {self.port}")
         for flag, value in [
@@ -103,8 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", default=_env("PORT", d.port), help="0 picks a free port")
     parser.add_argument(
         "--metrics-port",
-        default=_env("METRICS_PORT", d.metrics_port),
-        help="HTTP port of the Prometheus /metrics endpoint; 0 picks a free port",
+        default=_env("METRICS_PORT", None),
+        help=f"HTTP port of the Prometheus /metrics endpoint (default: --port + "
+        f"{METRICS_PORT_OFFSET}, 50151); 0 picks a free port",
     )
     parser.add_argument(
         "--model",
@@ -201,7 +215,7 @@ def from_args(args: argparse.Namespace) -> Config:
     return Config(
         host=args.host,
         port=_number(args, "port", int),
-        metrics_port=_number(args, "metrics_port", int),
+        metrics_port=None if args.metrics_port is None else _number(args, "metrics_port", int),
         models=tuple(args.models or env_models),
         model_dir=Path(args.model_dir) if args.model_dir else None,
         loss=args.loss,

@@ -65,7 +65,11 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         grpc_type, attribute, factory = _KINDS[kind]
         labels = RpcLabels(grpc_type, *_labels(handler_call_details.method))
         call = _Call(self._metrics, labels, arrived)
-        behavior = call.wrap(getattr(handler, attribute), *kind)
+        behavior = getattr(handler, attribute)
+        if getattr(behavior, "experimental_non_blocking", False):
+            behavior = call.wrap_non_blocking(behavior)
+        else:
+            behavior = call.wrap(behavior, *kind)
         return factory(
             behavior,
             request_deserializer=handler.request_deserializer,
@@ -102,6 +106,32 @@ class _Call:
             self._finish(context, None)
             return result
 
+        return handle
+
+    def wrap_non_blocking(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        """The same for a handler that answers through a `send` callback and returns at
+        once (health Watch), keeping the flag so that it holds no worker thread."""
+
+        def handle(request: Any, context: grpc.ServicerContext, send: Callable[[Any], None]):
+            self._metrics.rpc_started(self._labels, self._arrived)
+            self._metrics.rpc_message_received(self._labels)
+            context.add_callback(lambda: self._finish(context, None))
+
+            def counted(response: Any) -> None:
+                if response is None:
+                    self._finish(context, None)
+                else:
+                    self._metrics.rpc_message_sent(self._labels)
+                send(response)
+
+            try:
+                return behavior(request, context, counted)
+            except BaseException as err:
+                self._finish(context, err)
+                raise
+
+        handle.experimental_non_blocking = True
+        handle.experimental_thread_pool = getattr(behavior, "experimental_thread_pool", None)
         return handle
 
     def _received(self, requests: Iterator[Any]) -> Iterator[Any]:

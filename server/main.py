@@ -11,11 +11,13 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
+from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
+from pergrad.server.health import SERVING, HealthService
 from pergrad.server.interceptors import MetricsInterceptor
 from pergrad.server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
@@ -43,7 +45,7 @@ def configure_devices() -> None:
 class RunningServer:
     server: grpc.Server
     port: int
-    health: health.HealthServicer
+    health: HealthService
     metrics: ServerMetrics
     metrics_endpoint: MetricsEndpoint
 
@@ -53,8 +55,9 @@ class RunningServer:
         return self.metrics_endpoint.port
 
     def stop(self, grace_s: float) -> None:
-        """Report NOT_SERVING, let in-flight calls finish for up to `grace_s`, stop metrics."""
-        self.health.enter_graceful_shutdown()
+        """Report NOT_SERVING (ending health Watch streams), let in-flight calls finish for
+        up to `grace_s`, stop metrics."""
+        self.health.stop_serving()
         self.server.stop(grace_s).wait()
         self.metrics_endpoint.close()
 
@@ -112,24 +115,24 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
 
 def _start_grpc(
     config: Config, registry: ModelRegistry, metrics: ServerMetrics
-) -> tuple[grpc.Server, health.HealthServicer, int]:
+) -> tuple[grpc.Server, HealthService, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers),
         interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config)],
         options=server_options(config),
     )
     add_to_server(GradientServicer(registry, config, metrics), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        [SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server
     )
     port = _add_port(server, config)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     server.start()
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(name, SERVING)
     return server, health_servicer, port
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -15,6 +16,16 @@ from pergrad.client import GradientClient
 from pergrad.server.config import Config
 from pergrad.server.main import RunningServer, start
 from tests.helpers import KERAS_MODEL_NAME, loopback_config, tabular_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def wheel() -> Path:
+    """dist/pergrad-*.whl, built by `make wheel`: what users and the Dockerfiles install."""
+    subprocess.run(["make", "-s", "wheel"], cwd=ROOT, check=True, timeout=600)
+    (built,) = (ROOT / "dist").glob("pergrad-*.whl")
+    return built
 
 
 @pytest.fixture(scope="session")

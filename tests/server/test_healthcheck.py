@@ -16,7 +16,7 @@ def test_exits_zero_for_a_serving_server(server: RunningServer) -> None:
 
 
 def test_exits_one_for_a_draining_server(fresh_server: RunningServer) -> None:
-    fresh_server.health.enter_graceful_shutdown()
+    fresh_server.health.stop_serving()
     assert main(["--target", f"127.0.0.1:{fresh_server.port}"]) == 1
 
 
