@@ -50,14 +50,22 @@ class Authority:
     def cert(self) -> Path:
         return self.directory / f"{self.name}-ca.pem"
 
-    def issue(self, name: str, *, server: bool) -> Pem:
-        """A certificate for 127.0.0.1 and localhost, for a server or a client."""
+    def issue(
+        self, name: str, *, server: bool, client: bool | None = None, dns_names: tuple = ()
+    ) -> Pem:
+        """A certificate for 127.0.0.1, localhost and `dns_names`, for a server, a client
+        (the default for a non-server), or both."""
         key = ec.generate_private_key(ec.SECP256R1())
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
+        if client if client is not None else not server:
+            usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
         builder = (
             _builder(name, key, self.certificate.subject)
-            .add_extension(_LOCAL_NAMES, critical=False)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName([*_LOCAL_NAMES, *map(x509.DNSName, dns_names)]),
+                critical=False,
+            )
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         )
         certificate = builder.sign(self.key, hashes.SHA256())

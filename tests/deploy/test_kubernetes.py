@@ -8,8 +8,11 @@ fields used here, and against what they point at.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,8 @@ import pytest
 import yaml
 
 from pergrad.server.config import METRICS_PORT_OFFSET, parse
+from pergrad.server.main import start
+from tests.pki import make_pki
 from tests.prometheus import ALERTS, DEPLOY, promtool
 
 OVERLAYS = DEPLOY / "k8s" / "overlays"
@@ -37,6 +42,8 @@ EXPECTED_KINDS = [
     "ServiceMonitor",
 ]
 STANDARD_LABELS = ("name", "instance", "part-of", "managed-by")
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+HEALTHCHECK = ["python3", "-m", "pergrad.server.healthcheck"]
 # The Prometheus Operator's Duration pattern (monitoring.coreos.com/v1).
 DURATION = (
     r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
@@ -90,7 +97,7 @@ def _render(overlay: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
+@pytest.fixture(scope="module", params=sorted(p.name for p in OVERLAYS.iterdir()))
 def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     return _render(request.param)
 
@@ -146,19 +153,38 @@ def test_configmap_holds_flags_the_server_accepts(
 ) -> None:
     env = _env(rendered)
     assert all(key.startswith("PERGRAD_") for key in env)
-    for key, value in env.items():
+    for key, value in _with_secret_files(env, tmp_path).items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("PERGRAD_MODEL_DIR", str(tmp_path))  # the volume, in the pod
     config = parse([])
     assert (config.port, config.metrics_port) == (50051, 50051 + METRICS_PORT_OFFSET)
+    assert (config.tls_cert is None) == ("PERGRAD_TLS_CERT" not in env)
+
+
+def _with_secret_files(env: dict[str, str], directory: Path) -> dict[str, str]:
+    """`env` with the TLS Secret's mount replaced by files a throwaway CA made in
+    `directory`: a server certificate for PERGRAD_TLS_SERVER_NAME, its key and the CA."""
+    if "PERGRAD_TLS_CERT" not in env:
+        return env
+    pki = make_pki(directory)
+    pair = pki.ca.issue("pod", server=True, dns_names=(env["PERGRAD_TLS_SERVER_NAME"],))
+    secret = directory / "secret"
+    secret.mkdir()
+    for name, source in (("tls.crt", pair.cert), ("tls.key", pair.key), ("ca.crt", pki.ca.cert)):
+        (secret / name).write_bytes(source.read_bytes())
+    mount = str(Path(env["PERGRAD_TLS_CERT"]).parent)
+    return {key: value.replace(mount, str(secret)) for key, value in env.items()}
 
 
 def test_container_ports_and_probes_match_the_configured_ports(rendered) -> None:
     env, container = _env(rendered), _container(rendered)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": int(env["PERGRAD_PORT"]), "metrics": int(env["PERGRAD_METRICS_PORT"])}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": ports["grpc"]}, probe
+    for probe in PROBES:
+        if "PERGRAD_TLS_CERT" in env:  # native gRPC probes speak no TLS
+            assert container[probe]["exec"]["command"] == HEALTHCHECK, probe
+        else:
+            assert container[probe]["grpc"] == {"port": ports["grpc"]}, probe
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # time to load models
 
@@ -242,3 +268,49 @@ def test_prometheus_rule_holds_the_alert_rules_file(rendered, tmp_path: Path) ->
     path.write_text(yaml.safe_dump(rule["spec"]))
     run = promtool("check", "rules", str(path))
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_tls_files_are_mounted_read_only_where_the_config_points(rendered) -> None:
+    env = _env(rendered)
+    if "PERGRAD_TLS_CERT" not in env:
+        assert not any(key.startswith("PERGRAD_TLS") for key in env)
+        return
+    pod = _one(rendered, "Deployment")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in _container(rendered)["volumeMounts"]}
+    for key in ("PERGRAD_TLS_CERT", "PERGRAD_TLS_KEY", "PERGRAD_TLS_CA"):
+        folder, _, name = env[key].rpartition("/")
+        assert mounts[folder]["readOnly"] is True, key
+        secret = volumes[mounts[folder]["name"]]["secret"]
+        assert secret["secretName"] == "pergrad-tls" and name in ("tls.crt", "tls.key", "ca.crt")
+    for service in [o for o in rendered if o["kind"] == "Service"]:
+        (grpc_port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+        assert grpc_port["appProtocol"] == "https"
+
+
+def test_tls_overlay_probe_passes_against_a_tls_server(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The cpu-tls overlay's probe command and variables, against a server started from
+    the same variables, with the Secret's files made by a throwaway CA."""
+    objects = _render("cpu-tls")
+    env, container = _with_secret_files(_env(objects), tmp_path), _container(objects)
+    for key, value in {**env, "PERGRAD_HOST": "127.0.0.1", "PERGRAD_PORT": "0"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PERGRAD_METRICS_PORT", "0")
+    monkeypatch.setenv("PERGRAD_MODEL_DIR", str(tmp_path))
+    config = dataclasses.replace(parse([]), models=("mnist_mlp",), jit_compile="off")
+    running = start(config)
+    try:
+        command = container["readinessProbe"]["exec"]["command"]
+        path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+        run = subprocess.run(
+            command,
+            env={**os.environ, "PERGRAD_PORT": str(running.port), "PATH": path},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        running.stop(0)
+    assert (run.returncode, run.stderr.strip()) == (0, "SERVING")

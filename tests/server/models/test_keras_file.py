@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 import keras
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.models.registry import load_model
@@ -47,3 +50,15 @@ def test_lambda_layer_is_refused_in_safe_mode(tmp_path: Path) -> None:
     keras.Model(inputs, outputs).save(tmp_path / "lambda.keras")
     with pytest.raises(ModelLoadError, match="cannot be loaded safely"):
         load_keras_file(tmp_path / "lambda.keras")
+
+
+def test_installed_keras_carries_the_safe_mode_fixes() -> None:
+    """.keras files are untrusted input: Keras fixed safe_mode bypasses in 3.11 and 3.14."""
+    (keras_requirement,) = [
+        Requirement(r)
+        for r in importlib.metadata.requires("pergrad") or []
+        if Requirement(r).name == "keras"
+    ]
+    floor = min(Version(s.version) for s in keras_requirement.specifier if s.operator == ">=")
+    assert floor >= Version("3.14.0")
+    assert keras_requirement.specifier.contains(importlib.metadata.version("keras"))
