@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := protos/pergrad/v1/tensor.proto protos/pergrad/v1/gradient_service.proto
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps test soak demo bench protos lint wheel clean
+.PHONY: install system-deps test soak demo bench protos lint wheel image image-test clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ soak: install
 wheel: install
 	rm -rf build dist
 	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+
+# The CPU image, built with podman (no Docker engine needed), and the installed-package
+# smoke test run against a container of it. Needs root.
+IMAGE ?= pergrad:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)-cpu
+
+image: install
+	deploy/docker/build-image.sh $(IMAGE)
+
+image-test: image
+	PERGRAD_IMAGE=$(IMAGE) $(PY) -m pytest -q tests/release/test_installed_package.py
 
 demo: install
 	$(PY) examples/demo.py

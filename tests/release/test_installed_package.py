@@ -1,9 +1,12 @@
-"""The installed wheel, run the way users run it.
+"""The release, run the way users run it.
 
-From a working directory outside the checkout, with nothing but the wheel installed: the
+With nothing but the wheel installed, from a working directory outside the checkout: the
 server starts from the Dockerfiles' own ENTRYPOINT and CMD (and their ENV), answers their
 HEALTHCHECK command, `pergrad info`, and a gradients call with every reduction the wire
 contract names, then drains and exits 0 on SIGTERM.
+
+`make image-test` runs the same tests against a container of the CPU image as well
+(PERGRAD_IMAGE names it; the image's own entry point starts the server).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import re
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +32,20 @@ DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("Dockerfile.*"))
 READY = re.compile(r"pergrad ready on (\S+):(\d+)")
 REDUCTIONS = [name.removeprefix("REDUCTION_").lower() for name in pb.Reduction.keys()]  # noqa: SIM118 - an enum wrapper
 MODELS = ("mnist_mlp", "mnist_cnn")
+SMOKE = Path(__file__).with_name("every_reduction.py")
+# What the server is told beyond the image's own ENV: loopback, free ports, two models.
+SERVER_ENV = {
+    "PERGRAD_HOST": "127.0.0.1",
+    "PERGRAD_PORT": "0",
+    "PERGRAD_METRICS_PORT": "0",
+    "PERGRAD_MODELS": ",".join(MODELS),
+}
+IMAGE = os.environ.get("PERGRAD_IMAGE")
+PODMAN_ENV = {
+    "CONTAINERS_CONF": os.environ.get(
+        "CONTAINERS_CONF", str(ROOT / "deploy" / "docker" / "podman" / "containers.conf")
+    )
+}
 
 
 def _instruction(dockerfile: Path, name: str) -> str:
@@ -50,68 +68,97 @@ def _image_env(dockerfile: Path) -> dict[str, str]:
 
 @dataclass
 class Served:
+    """A running server and how to run a command beside it, where its users would."""
+
     process: subprocess.Popen
     port: int
-    env: dict[str, str]
-    cwd: Path
     log: list[str]
+    run: Callable[..., subprocess.CompletedProcess]
+    smoke: str  # the every-reduction script's path where `run` runs
+    foreign: Path  # modules must not come from here (the checkout)
 
 
-@pytest.fixture(scope="module")
-def served(installed: Installed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    dockerfile = DOCKERFILES[0]
-    outside = tmp_path_factory.mktemp("outside")
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PERGRAD_"))}
-    env = installed.env(
-        {**base, **_image_env(dockerfile)},
-        PERGRAD_HOST="127.0.0.1",
-        PERGRAD_PORT="0",
-        PERGRAD_METRICS_PORT="0",
-        PERGRAD_MODELS=",".join(MODELS),
-    )
-    command = _exec_form(dockerfile, "ENTRYPOINT") + _exec_form(dockerfile, "CMD")
-    process = subprocess.Popen(command, cwd=outside, env=env, stderr=subprocess.PIPE, text=True)
+def _wait_ready(process: subprocess.Popen, command: list[str]) -> tuple[int, list[str]]:
     log: list[str] = []
     for line in process.stderr:
         log.append(line)
         if match := READY.search(line):
             threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
-            break
+            return int(match.group(2)), log
+    pytest.fail(f"{command} exited {process.wait()}:\n{''.join(log[-20:])}")
+
+
+def _from_wheel(installed: Installed, outside: Path) -> Iterator[Served]:
+    dockerfile = DOCKERFILES[0]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PERGRAD_"))}
+    env = installed.env({**base, **_image_env(dockerfile)}, **SERVER_ENV)
+    command = _exec_form(dockerfile, "ENTRYPOINT") + _exec_form(dockerfile, "CMD")
+    process = subprocess.Popen(command, cwd=outside, env=env, stderr=subprocess.PIPE, text=True)
+    port, log = _wait_ready(process, command)
+
+    def run(*argv: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            argv, cwd=outside, env={**env, **extra}, capture_output=True, text=True, timeout=300
+        )
+
+    yield Served(process, port, log, run, str(SMOKE), ROOT)
+
+
+def _from_image(image: str) -> Iterator[Served]:
+    name = f"pergrad-smoke-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, **PODMAN_ENV}
+    flags = [f"--env={key}={value}" for key, value in SERVER_ENV.items()]
+    command = [
+        "podman", "run", "--rm", f"--name={name}", "--network=host",
+        f"--volume={SMOKE}:/smoke/{SMOKE.name}:ro", *flags, image,
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    port, log = _wait_ready(process, command)
+
+    def run(*argv: str, **extra: str) -> subprocess.CompletedProcess:
+        exported = [f"--env={key}={value}" for key, value in extra.items()]
+        return subprocess.run(
+            ["podman", "exec", *exported, name, *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    yield Served(process, port, log, run, f"/smoke/{SMOKE.name}", ROOT)
+    subprocess.run(["podman", "rm", "-f", name], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module", params=["wheel", *(["image"] if IMAGE else [])])
+def served(
+    request: pytest.FixtureRequest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    if request.param == "image":
+        deployments = _from_image(IMAGE)
     else:
-        pytest.fail(f"{command} exited {process.wait()}:\n{''.join(log[-20:])}")
-    served = Served(process, int(match.group(2)), env, outside, log)
+        deployments = _from_wheel(installed, tmp_path_factory.mktemp("outside"))
+    served = next(deployments)
     yield served
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    if served.process.poll() is None:
+        served.process.kill()
+        served.process.wait()
+    next(deployments, None)
 
 
-def _run(served: Served, *argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        argv,
-        cwd=served.cwd,
-        env={**served.env, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def test_the_server_runs_the_installed_modules(served: Served, installed: Installed) -> None:
-    run = _run(served, "python", "-c", "import pergrad.server.engine as e; print(e.__file__)")
+def test_the_server_runs_the_installed_modules(served: Served) -> None:
+    run = served.run("python", "-c", "import pergrad.server.engine as e; print(e.__file__)")
     assert run.returncode == 0, run.stderr
-    assert Path(run.stdout.strip()).is_relative_to(installed.prefix)
+    assert not Path(run.stdout.strip()).is_relative_to(served.foreign)
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.suffix[1:])
 def test_dockerfile_healthcheck_reports_serving(served: Served, dockerfile: Path) -> None:
-    command = _exec_form(dockerfile, "HEALTHCHECK")
-    run = _run(served, *command, PERGRAD_PORT=str(served.port))
+    run = served.run(*_exec_form(dockerfile, "HEALTHCHECK"), PERGRAD_PORT=str(served.port))
     assert (run.returncode, run.stderr.strip()) == (0, "SERVING")
 
 
 def test_pergrad_info_describes_every_served_model(served: Served) -> None:
-    run = _run(served, "pergrad", "info", "--target", f"127.0.0.1:{served.port}")
+    run = served.run("pergrad", "info", "--target", f"127.0.0.1:{served.port}")
     assert run.returncode == 0, run.stderr
     for model in MODELS:
         assert re.search(rf"^{model}  version 1  [\d,]+ parameters$", run.stdout, re.M)
@@ -119,9 +166,7 @@ def test_pergrad_info_describes_every_served_model(served: Served) -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_reduction_answers_through_the_installed_client(served: Served, model: str) -> None:
-    script = Path(__file__).with_name("every_reduction.py")
-    target = f"127.0.0.1:{served.port}"
-    run = _run(served, "python", str(script), target, model, *REDUCTIONS)
+    run = served.run("python", served.smoke, f"127.0.0.1:{served.port}", model, *REDUCTIONS)
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert sorted(report) == sorted(REDUCTIONS)
@@ -131,5 +176,5 @@ def test_every_reduction_answers_through_the_installed_client(served: Served, mo
 
 def test_sigterm_drains_and_exits_zero(served: Served) -> None:
     served.process.send_signal(signal.SIGTERM)
-    assert served.process.wait(timeout=60) == 0
+    assert served.process.wait(timeout=90) == 0
     assert not [line for line in served.log if "Traceback" in line], "".join(served.log)

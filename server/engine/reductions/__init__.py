@@ -62,12 +62,3 @@ def make_reduction(
             f"{unknown}: not options of reduction {name!r}, which takes {sorted(accepted)}"
         )
     return makers[name](variables, **options)
-
-
-def generator(seed: int, index: int, stream: int) -> np.random.Generator:
-    """Random numbers that depend only on (seed, variable position, purpose).
-
-    So a projection or a noise draw is the same on every call and every replica running
-    the same numpy, whatever the slicing or the variables filter.
-    """
-    return np.random.default_rng([seed, index, stream])

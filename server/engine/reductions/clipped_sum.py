@@ -2,20 +2,25 @@
 
 Norms come from the factored gradients; the clipped sum is then one weighted product
 per variable ((c a)^T g for Dense), so no second backward pass and no B x P tensor.
-Gaussian noise of std noise_multiplier * max_norm is added from `seed` per variable.
+Gaussian noise of std noise_multiplier * max_norm is added to every element: from the
+stream of (`seed`, variable position, NOISE_STREAM) when a seed is given (the same bytes
+on every replica), else fresh from the operating system's secure random source: noise
+anyone could regenerate from a known default seed would protect nothing.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from pergrad.server.engine.grads import Grad
-from pergrad.server.engine.reductions import Selected, generator
+from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import weighted_sum
 from pergrad.server.engine.reductions.norms import squared
+from pergrad.server.engine.reductions.random_streams import gaussian, secure_gaussian, stream_key
 from pergrad.server.errors import InvalidArgument
 
 NOISE_STREAM = 2
@@ -28,16 +33,20 @@ class ClippedSum:
         *,
         max_norm: float | None = None,
         noise_multiplier: float = 0.0,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
-        if max_norm is None or not max_norm > 0:
-            raise InvalidArgument(f"max_norm: clipped_sum needs a positive bound, got {max_norm}")
-        if not noise_multiplier >= 0:
-            raise InvalidArgument(f"noise_multiplier: must be >= 0, got {noise_multiplier}")
+        if max_norm is None or not 0 < max_norm < math.inf:
+            raise InvalidArgument(
+                f"max_norm: clipped_sum needs a finite positive bound, got {max_norm}"
+            )
+        if not 0 <= noise_multiplier < math.inf:
+            raise InvalidArgument(
+                f"noise_multiplier: must be finite and >= 0, got {noise_multiplier}"
+            )
         self._variables = variables
         self._max_norm = float(max_norm)
         self._noise = float(noise_multiplier)
-        self._seed = int(seed)
+        self._seed = seed
         self._sums = {v.name: np.zeros(v.shape, np.float32) for v in variables}
         self._norms: list[np.ndarray] = []
 
@@ -48,13 +57,18 @@ class ClippedSum:
             self._sums[v.name] += weighted_sum(grads[v.name], scale, v.shape)
         self._norms.append(norms)
 
+    def _standard_noise(self, variable: Selected) -> np.ndarray:
+        if self._seed is None:
+            return secure_gaussian(variable.shape)
+        key = stream_key(self._seed, variable.index, NOISE_STREAM)
+        return gaussian(key, 0, int(np.prod(variable.shape))).reshape(variable.shape)
+
     def finish(self) -> dict[str, Any]:
         norms = np.concatenate(self._norms)
         if self._noise:
             std = self._noise * self._max_norm
             for v in self._variables:
-                noise = generator(self._seed, v.index, NOISE_STREAM).standard_normal(v.shape)
-                self._sums[v.name] += (std * noise).astype(np.float32)
+                self._sums[v.name] += np.float32(std) * self._standard_noise(v)
         return {
             "clipped_sum": self._sums,
             "norms": norms.astype(np.float32),

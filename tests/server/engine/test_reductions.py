@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.reductions.project import random_matrix
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests import spec_random
 from tests.helpers import assert_close, tabular_model
 
 MODELS = ["mnist_mlp", "mnist_cnn", "transformer_block", "tabular"]
@@ -98,28 +98,20 @@ def test_dots_match_dots_of_full_tensors(name: str) -> None:
     assert_close({"dots": result.dots}, {"dots": expected})
 
 
-def _projection_matrix(engine: Engine, name: str, dim: int, seed: int, kind: str) -> np.ndarray:
-    """The dense [dim, P] matrix the factored projection stands for."""
-    v = next(v for v in engine.variables if v.name == name)
-    size = int(np.prod(v.shape))
-    if name not in engine.factored:
-        return random_matrix(seed, v.index, 0, dim, size, kind)
-    u = random_matrix(seed, v.index, 0, dim, v.shape[0], kind)
-    w = random_matrix(seed, v.index, 1, dim, v.shape[-1], kind)
-    return (u[:, :, None] * w[:, None, :]).reshape(dim, size)
-
-
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 @pytest.mark.parametrize("name", MODELS)
-def test_projections_match_the_dense_projection_matrix(name: str, kind: str) -> None:
+def test_projections_match_the_matrix_the_wire_contract_defines(name: str, kind: str) -> None:
+    """R_v made entry by entry from the proto's text (tests/spec_random.py), as another
+    client would make it from the seed."""
     engine = _engine(name)
     x, y = _batch(engine)
     full = _full(engine, x, y)
-    result = engine.per_example_gradients(x, y, reduction="project", dim=16, seed=5, kind=kind)
-    expected = sum(
-        g.reshape(len(g), -1) @ _projection_matrix(engine, k, 16, 5, kind).T.astype(np.float64)
-        for k, g in full.items()
-    ) / np.sqrt(16)
+    result = engine.per_example_gradients(x, y, reduction="project", dim=8, seed=5, kind=kind)
+    matrices = {
+        v.name: spec_random.projection_matrix(5, v.index, v.shape, 8, kind)
+        for v in engine.variables
+    }
+    expected = sum(g.reshape(len(g), -1) @ matrices[k].T for k, g in full.items()) / np.sqrt(8)
     assert_close({"projections": result.projections}, {"projections": expected})
 
 
@@ -144,19 +136,44 @@ def test_same_seed_gives_the_same_projection_on_another_engine() -> None:
     assert not np.allclose(a.projections, c.projections)
 
 
-def test_clipped_sum_noise_is_reproducible_and_has_the_requested_std() -> None:
+def _noise(engine: Engine, x, y, **options) -> dict[str, np.ndarray]:
+    """The noise a clipped sum added: the result less the same sum without noise."""
+    noisy = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=0.5, **options)
+    clean = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=0.5)
+    return {k: v.astype(np.float64) - clean.clipped_sum[k] for k, v in noisy.clipped_sum.items()}
+
+
+def test_seeded_noise_is_reproducible_and_the_wire_contracts() -> None:
     engine = _engine("mnist_mlp")
     x, y = _batch(engine)
-    options = {"reduction": "clipped_sum", "max_norm": 0.5, "noise_multiplier": 2.0, "seed": 4}
-    first = engine.per_example_gradients(x, y, **options)
-    again = engine.per_example_gradients(x, y, **options)
-    clean = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=0.5)
-    for name, value in first.clipped_sum.items():
-        assert value.tobytes() == again.clipped_sum[name].tobytes()
-    noise = first.clipped_sum["hidden/kernel"] - clean.clipped_sum["hidden/kernel"]
+    first = _noise(engine, x, y, noise_multiplier=2.0, seed=4)
+    again = _noise(engine, x, y, noise_multiplier=2.0, seed=4)
+    for name, value in first.items():
+        assert value.tobytes() == again[name].tobytes()
+    bias = next(v for v in engine.variables if v.name == "logits/bias")
+    k = spec_random.key(4, bias.index, 2)
+    expected = [2.0 * 0.5 * spec_random.gaussian(k, n) for n in range(10)]
+    np.testing.assert_allclose(first["logits/bias"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [4, None])
+def test_noise_has_the_requested_std(seed: int | None) -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine)
+    noise = _noise(engine, x, y, noise_multiplier=2.0, seed=seed)["hidden/kernel"]
     # 100,352 draws: the sample std is within 1% of 2.0 * 0.5 with overwhelming probability.
     assert abs(noise.std() - 1.0) < 0.01
     assert abs(noise.mean()) < 0.01
+
+
+def test_unseeded_noise_is_fresh_on_every_call_and_not_seed_zeros() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine)
+    first = _noise(engine, x, y, noise_multiplier=1.0)["logits/bias"]
+    second = _noise(engine, x, y, noise_multiplier=1.0)["logits/bias"]
+    seed_zero = _noise(engine, x, y, noise_multiplier=1.0, seed=0)["logits/bias"]
+    assert not np.allclose(first, second, atol=1e-3)
+    assert not np.allclose(first, seed_zero, atol=1e-3)
 
 
 def test_variables_filter_limits_every_output() -> None:
@@ -175,8 +192,13 @@ def test_variables_filter_limits_every_output() -> None:
     ("kwargs", "message"),
     [
         ({"reduction": "median"}, "reduction: unknown 'median'"),
-        ({"reduction": "clipped_sum"}, "max_norm: clipped_sum needs a positive bound"),
+        ({"reduction": "clipped_sum"}, "max_norm: clipped_sum needs a finite positive bound"),
         ({"reduction": "clipped_sum", "max_norm": -1.0}, "positive bound, got -1.0"),
+        ({"reduction": "clipped_sum", "max_norm": float("inf")}, "finite positive bound"),
+        (
+            {"reduction": "clipped_sum", "max_norm": 1.0, "noise_multiplier": float("nan")},
+            "noise_multiplier: must be finite",
+        ),
         ({"reduction": "norms", "max_norm": 1.0}, "not options of reduction 'norms'"),
         ({"max_norm": 1.0}, "not options of reduction 'none'"),
         ({"reduction": "project"}, "dim: project needs 1 <= dim"),

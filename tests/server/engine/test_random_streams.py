@@ -1,0 +1,61 @@
+"""The counter-based random numbers: the wire contract's text, made a block at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pergrad.server.engine.reductions import random_streams
+from pergrad.server.engine.reductions.project import MatrixCache
+from tests import spec_random
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_entries_are_the_wire_contracts(kind: str) -> None:
+    key = random_streams.stream_key(2**63 + 11, 3, 1)
+    assert key == spec_random.key(2**63 + 11, 3, 1)
+    made = random_streams.KINDS[kind](key, 0, 300)
+    spec = [getattr(spec_random, kind)(key, n) for n in range(300)]
+    np.testing.assert_allclose(made, spec, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+@pytest.mark.parametrize(("start", "count"), [(0, 1), (1, 1), (63, 130), (65, 7), (1000, 999)])
+def test_any_block_equals_the_same_slice_of_the_whole(kind: str, start: int, count: int) -> None:
+    entries = random_streams.KINDS[kind]
+    whole = entries(12345, 0, 2100)
+    assert entries(12345, start, count).tobytes() == whole[start : start + count].tobytes()
+
+
+def test_matrix_rows_are_rows_of_the_whole_matrix() -> None:
+    whole = random_streams.matrix_rows(5, 1, 0, rows=range(10), columns=33, kind="gaussian")
+    part = random_streams.matrix_rows(5, 1, 0, rows=range(3, 7), columns=33, kind="gaussian")
+    assert part.tobytes() == whole[3:7].tobytes()
+
+
+def test_gaussian_entries_are_standard_normal() -> None:
+    entries = random_streams.gaussian(random_streams.stream_key(0, 0, 0), 0, 1 << 20)
+    # 2^20 draws: mean within 0.005, std within 0.5%, fourth moment near 3.
+    assert abs(entries.mean()) < 0.005 and abs(entries.std() - 1) < 0.005
+    assert abs(np.mean(entries.astype(np.float64) ** 4) - 3) < 0.05
+
+
+def test_secure_gaussians_are_standard_normal_and_fresh() -> None:
+    first, second = random_streams.secure_gaussian((1 << 20,)), random_streams.secure_gaussian((4,))
+    assert abs(first.mean()) < 0.005 and abs(first.std() - 1) < 0.005
+    assert not np.array_equal(first[:4], second)
+    assert random_streams.secure_gaussian((3, 5)).shape == (3, 5)
+
+
+def test_cache_stays_within_its_bytes_whatever_the_seeds() -> None:
+    cache = MatrixCache(max_bytes=1 << 20)
+    for seed in range(50):
+        assert cache.get((seed, 0, 0, "rademacher", 64, 1000)) is not None  # 256 KB each
+        assert cache.nbytes <= cache.max_bytes
+    assert cache.get((0, 0, 0, "rademacher", 1024, 1000)) is None  # 4 MB: made per use
+
+
+def test_cache_returns_a_repeated_key_without_making_it_again() -> None:
+    cache = MatrixCache(max_bytes=1 << 20)
+    first = cache.get((1, 2, 0, "gaussian", 16, 100))
+    assert cache.get((1, 2, 0, "gaussian", 16, 100)) is first
