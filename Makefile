@@ -57,9 +57,12 @@ bench: install
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/load.py
 
+# The generated code, and the descriptors with their comments that reflection serves.
 protos: install
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos \
 		--pyi_out=protos $(PROTOS)
+	$(PY) -m grpc_tools.protoc -Iprotos --include_source_info \
+		--descriptor_set_out=protos/pergrad/v1/descriptors.binpb $(PROTOS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

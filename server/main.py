@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
@@ -23,6 +22,7 @@ from pergrad.server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.keras_file import ModelLoadError
 from pergrad.server.models.registry import ModelRegistry, load_model
+from pergrad.server.reflection import add_reflection
 from pergrad.server.service import GradientServicer, add_to_server
 from pergrad.server.tls import server_credentials
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -124,9 +124,7 @@ def _start_grpc(
     add_to_server(GradientServicer(registry, config, metrics), server)
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME], server
-    )
+    add_reflection([SERVICE_NAME, HEALTH_SERVICE], server)
     port = _add_port(server, config)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")

@@ -1,4 +1,4 @@
-"""The checked-in generated code is exactly what `make protos` produces now."""
+"""The checked-in generated code and descriptors are exactly what `make protos` produces now."""
 
 from __future__ import annotations
 
@@ -9,12 +9,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = sorted(p.name for p in (ROOT / "protos/pergrad/v1").iterdir() if "_pb2" in p.name)
+GENERATED = sorted(
+    p.name
+    for p in (ROOT / "protos/pergrad/v1").iterdir()
+    if "_pb2" in p.name or p.name == "descriptors.binpb"
+)
 
 
 def test_generated_code_is_fresh(tmp_path: Path) -> None:
     source = tmp_path / "protos"
-    shutil.copytree(ROOT / "protos", source, ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
+    shutil.copytree(
+        ROOT / "protos",
+        source,
+        ignore=shutil.ignore_patterns("*_pb2*", "descriptors.binpb", "__pycache__"),
+    )
     protos = sorted(str(p.relative_to(source)) for p in source.glob("pergrad/v1/*.proto"))
     subprocess.run(
         [
@@ -31,7 +39,25 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         check=True,
         timeout=60,
     )
-    fresh = sorted(p.name for p in (source / "pergrad/v1").iterdir() if "_pb2" in p.name)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--include_source_info",
+            "--descriptor_set_out=pergrad/v1/descriptors.binpb",
+            *protos,
+        ],
+        cwd=source,
+        check=True,
+        timeout=60,
+    )
+    fresh = sorted(
+        p.name
+        for p in (source / "pergrad/v1").iterdir()
+        if "_pb2" in p.name or p.name == "descriptors.binpb"
+    )
     assert fresh == GENERATED
     _, mismatch, errors = filecmp.cmpfiles(
         source / "pergrad/v1", ROOT / "protos/pergrad/v1", GENERATED, shallow=False

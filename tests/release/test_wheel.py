@@ -21,11 +21,12 @@ def _package_dir() -> dict[str, str]:
 
 
 def _source_files() -> dict[str, Path]:
-    """Wheel path -> source file of every module and .proto under the mapped folders."""
+    """Wheel path -> source file of every file under the mapped folders (modules, the
+    .proto files, their descriptors) but Python's caches."""
     expected = {}
     for name, folder in _package_dir().items():
         for path in (ROOT / folder).rglob("*"):
-            if path.suffix in {".py", ".proto"} and "__pycache__" not in path.parts:
+            if path.is_file() and "__pycache__" not in path.parts:
                 relative = path.relative_to(ROOT / folder).as_posix()
                 expected[f"{name.replace('.', '/')}/{relative}"] = path
     return expected

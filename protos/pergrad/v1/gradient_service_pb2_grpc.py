@@ -84,31 +84,35 @@ class GradientServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetWeights(self, request, context):
-        """Current weights: a WeightsHeader, then chunks.
+        """Current weights: a WeightsMessage with the header, then chunks, in the header's order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetWeights(self, request_iterator, context):
-        """Replaces every trainable variable at once: a WeightsHeader, then chunks.
-        All names, shapes, dtypes and byte counts are checked before the swap;
-        a rejected update changes nothing.
+        """Replaces every trainable variable at once: one WeightsMessage with the header, then
+        only chunks. All names, shapes, dtypes and byte counts are checked, and every value
+        must be finite, before the swap; a rejected or cancelled update changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ComputePerExampleGradients(self, request, context):
-        """Per-example losses and gradients of one batch: a ResultHeader, then chunks.
+        """Per-example losses and gradients of one batch: one GradientsResponse with the
+        ResultHeader, then chunks. The result is complete when every byte of every output the
+        header lists has arrived; the stream then ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StreamPerExampleGradients(self, request_iterator, context):
-        """Many batches on one call; results come back in request order, each part
-        tagged with its request's request_id.
+        """Many batches on one call. Results come back in request order, each a header followed by
+        its chunks, every part tagged with its request's request_id; results never interleave
+        (the next header comes only after the previous result is complete). A failing request
+        ends the call with its status; the results before it were complete.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
