@@ -60,9 +60,10 @@ class DpSgd:
         self.version, self.weights = client.get_weights(model)
         self.velocity = {name: np.zeros_like(w) for name, w in self.weights.items()}
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, seed: int) -> None:
+    def step(self, x: np.ndarray, y: np.ndarray, *, seed: int | None = None) -> None:
         """One step on a batch, computed on the weights of `self.version` (pinned), the
-        result pushed with a compare-and-swap on that version."""
+        result pushed with a compare-and-swap on that version. Without a seed the server
+        draws the noise from its operating system's secure random source."""
         r = self.client.per_example_gradients(
             self.model,
             x,
@@ -96,15 +97,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, help="sampling and noise seed (default: fresh)")
+    parser.add_argument(
+        "--seed", type=int, help="sampling and noise seed, to reproduce a run (default: fresh)"
+    )
     args = parser.parse_args(argv)
 
     with server(args.target, args.model) as target, GradientClient(target) as client:
         x, y, x_test, y_test = digits_split(client, args.model)
         q = args.batch_size / len(x)
         steps_per_epoch = round(1 / q)
-        # Batches and noise seeds must stay secret: whoever knows a step's seed can
-        # subtract its noise. Pass --seed only to reproduce a run.
+        # Batches and noise must stay secret: whoever knows a step's noise seed can
+        # subtract its noise. Without --seed the server draws fresh secure noise.
         rng = np.random.default_rng(args.seed)
         dp = DpSgd(
             client,
@@ -126,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 # The server refuses an empty batch; skipping one changes the mechanism
                 # only on that event, of probability (1-q)^N < exp(-qN): negligible.
                 if batch.any():
-                    dp.step(x[batch], y[batch], seed=int(rng.integers(2**63)))
+                    seed = None if args.seed is None else int(rng.integers(2**63))
+                    dp.step(x[batch], y[batch], seed=seed)
                 progress.update()
             predicted = predict(client, args.model, x_test, version=dp.version)
             accuracy = float(np.mean(predicted == y_test))

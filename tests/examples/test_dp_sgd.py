@@ -12,9 +12,10 @@ from dp_accounting import pld
 from dp_sgd import DpSgd
 
 from pergrad.client import GradientClient, PergradError
+from tests import spec_random
 from tests.examples.helpers import fresh_target, run_example
 
-NOISE_STREAM = 2  # the server draws variable i's noise from default_rng([seed, i, 2])
+NOISE_STREAM = 2  # variable i's seeded noise: the Gaussian stream (seed, i, 2) of the proto
 # mnist_cnn's first 16 digits have gradient norms from 4.3 to 8.0 at the initial weights.
 MAX_NORM, NOISE, LR, EXPECTED_BATCH = 5.5, 1.1, 0.3, 20.0
 
@@ -55,7 +56,9 @@ def _reference_step(
     noisy = {}
     for index, variable in enumerate(client.model_info("mnist_cnn").variables):
         clipped = np.tensordot(scale, full[variable.name].astype(np.float64), axes=1)
-        noise = np.random.default_rng([seed, index, NOISE_STREAM]).standard_normal(variable.shape)
+        key = spec_random.key(seed, index, NOISE_STREAM)
+        count = int(np.prod(variable.shape))
+        noise = np.reshape([spec_random.gaussian(key, n) for n in range(count)], variable.shape)
         noisy[variable.name] = clipped + NOISE * MAX_NORM * noise
     return noisy, norms
 

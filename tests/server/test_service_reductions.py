@@ -87,7 +87,7 @@ def test_stream_carries_the_reduction(client: GradientClient) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"reduction": "clipped_sum"}, "max_norm: clipped_sum needs a positive bound"),
+        ({"reduction": "clipped_sum"}, "max_norm: clipped_sum needs a finite positive bound"),
         ({"reduction": "norms", "dim": 3}, "['dim']: not options of reduction 'norms'"),
         ({"variables": ["conv9/kernel"]}, "variables: unknown ['conv9/kernel']"),
         ({"reduction": "dot", "reference": {"logits/bias": np.zeros((2, 10))}}, "missing"),
