@@ -1,9 +1,18 @@
 """pergrad's client: per-example gradients from a pergrad server as numpy arrays.
 
-Needs numpy, grpcio and protobuf only; it never imports TensorFlow.
+Needs numpy, grpcio and protobuf only; it never imports TensorFlow or the server.
 """
 
 from pergrad.client._client import GradientClient
-from pergrad.client._types import GradientResult, ModelInfo, PergradError, TensorInfo
+from pergrad.client._credentials import Security
+from pergrad.client._types import ModelInfo, PergradError, TensorInfo
+from pergrad.wire.results import GradientResult
 
-__all__ = ["GradientClient", "GradientResult", "ModelInfo", "PergradError", "TensorInfo"]
+__all__ = [
+    "GradientClient",
+    "GradientResult",
+    "ModelInfo",
+    "PergradError",
+    "Security",
+    "TensorInfo",
+]

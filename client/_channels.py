@@ -16,10 +16,9 @@ from typing import Any
 import grpc
 
 from pergrad.client._credentials import Security
-from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.rpc import SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 << 20
-SERVICE = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
 
 # Retries happen only before a response arrives; a replica that dies mid-stream is
 # retried by the client itself (requests are idempotent).
@@ -27,7 +26,7 @@ SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [
         {
-            "name": [{"service": SERVICE}],
+            "name": [{"service": SERVICE_NAME}],
             "retryPolicy": {
                 "maxAttempts": 4,
                 "initialBackoff": "0.1s",

@@ -9,18 +9,20 @@ from typing import Any
 
 import grpc
 
-from pergrad.client._results import read_results
-from pergrad.client._types import GradientResult, PergradError
+from pergrad.client._call import Call
+from pergrad.client._receive import read_results
+from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.results import GradientResult
 
 
 def pipelined(
-    call: Callable[..., Any],
+    stream_call: Callable[..., Any],
+    info: ModelInfo,
+    call: Call,
     batches: Iterable[tuple[Any, Any]],
-    make_request: Callable[[Any, Any, int], pb.GradientsRequest],
     *,
     max_in_flight: int,
-    timeout: float | None,
 ) -> Iterator[GradientResult]:
     """Results in request order; at most `max_in_flight` requests wait for theirs.
 
@@ -30,6 +32,7 @@ def pipelined(
     window = threading.Semaphore(max_in_flight)
     finished = threading.Event()
     failures: list[PergradError] = []
+    sizes: dict[int, int] = {}
 
     def requests() -> Iterator[pb.GradientsRequest]:
         try:
@@ -37,22 +40,27 @@ def pipelined(
                 while not window.acquire(timeout=0.1):
                     if finished.is_set():
                         return
-                yield make_request(x, y, request_id)
+                request = call.request(info, x, y, request_id=request_id)
+                sizes[request_id] = int(request.inputs.shape[0]) if request.inputs.shape else 0
+                yield request
         except PergradError as err:
             failures.append(err)
 
-    responses = call(requests(), timeout=timeout)
+    def expect(request_id: int):
+        if request_id not in sizes:
+            raise data_loss(f"result for request {request_id}, which was not sent")
+        return call.expected(info, sizes.pop(request_id))
+
+    responses = stream_call(requests(), timeout=call.timeout)
     try:
-        for expected_id, (request_id, result) in zip(itertools.count(1), read_results(responses)):
+        results = read_results(responses, expect)
+        for expected_id, (request_id, result) in zip(itertools.count(1), results):
             if request_id != expected_id:
-                raise PergradError(
-                    grpc.StatusCode.DATA_LOSS,
-                    f"result for request {request_id} arrived, expected {expected_id}",
-                )
+                raise data_loss(f"result for request {request_id} arrived, expected {expected_id}")
             window.release()
             yield result
     except grpc.RpcError as err:
-        raise PergradError(err.code(), err.details() or "") from None
+        raise from_rpc_error(err) from None
     finally:
         finished.set()
         responses.cancel()

@@ -1,15 +1,20 @@
-"""Result and description types shared by the client and the in-process engine."""
+"""The client's description and error types; results are `pergrad.wire.results`'."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from pergrad.client._codec import numpy_dtype
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.codec import numpy_dtype
+
+_T = TypeVar("_T")
 
 
 class PergradError(Exception):
@@ -19,6 +24,31 @@ class PergradError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+def invalid(message: str) -> PergradError:
+    return PergradError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def data_loss(message: str) -> PergradError:
+    return PergradError(grpc.StatusCode.DATA_LOSS, message)
+
+
+def from_rpc_error(err: grpc.RpcError) -> PergradError:
+    return PergradError(err.code(), err.details() or "")
+
+
+def rpc_errors(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Turn gRPC failures into PergradError (status code + the server's message)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -61,50 +91,3 @@ class ModelInfo:
     @property
     def num_parameters(self) -> int:
         return sum(int(np.prod(v.shape)) for v in self.variables)
-
-
-@dataclass
-class GradientResult:
-    """Per-example results of one batch; which fields are set depends on the reduction.
-
-    Attributes:
-        losses: per-example loss, [B] (always).
-        gradients: variable -> per-example gradient [B, *shape] (reduction "none").
-        norms: per-example L2 norm of the whole (selected) gradient, [B] ("norms",
-            "clipped_sum").
-        variable_norms: variable -> per-example L2 norm, [B] ("norms").
-        clipped_sum: variable -> sum of clipped per-example gradients plus noise
-            ("clipped_sum"); num_clipped: how many examples were clipped.
-        sum, sum_squares: variable -> sum over examples of g and of g**2 ("moments").
-        dots: [B, K] dot products with K reference gradients ("dot").
-        projections: [B, dim] random projections ("project").
-        model_version: the weights version every tensor was computed with.
-        model: the model's name.
-        server: the replica(s) that computed it.
-    """
-
-    losses: np.ndarray
-    gradients: dict[str, np.ndarray] = field(default_factory=dict)
-    model_version: int = 0
-    model: str = ""
-    norms: np.ndarray | None = None
-    variable_norms: dict[str, np.ndarray] = field(default_factory=dict)
-    clipped_sum: dict[str, np.ndarray] = field(default_factory=dict)
-    num_clipped: int | None = None
-    sum: dict[str, np.ndarray] = field(default_factory=dict)
-    sum_squares: dict[str, np.ndarray] = field(default_factory=dict)
-    dots: np.ndarray | None = None
-    projections: np.ndarray | None = None
-    server: str = ""
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.losses.shape[0])
-
-    def gradient_norms(self) -> np.ndarray:
-        """Per-example L2 norms computed here from the full `gradients`, [B]."""
-        squares = np.zeros(self.batch_size, dtype=np.float64)
-        for grad in self.gradients.values():
-            flat = grad.reshape(self.batch_size, -1).astype(np.float64, copy=False)
-            squares += np.einsum("bp,bp->b", flat, flat)
-        return np.sqrt(squares)

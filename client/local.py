@@ -27,7 +27,7 @@ class LocalServer:
             [
                 sys.executable,
                 "-m",
-                "pergrad.client.cli",
+                "pergrad.cli",
                 "serve",
                 "--host",
                 "127.0.0.1",

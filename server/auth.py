@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 
-from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.server.handlers import replaced
+from pergrad.wire.rpc import method_path
 
 READ_ONLY_SUFFIX = ":ro"
-GRADIENT_SERVICE = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
 # Services any caller may use: probes and tooling that only describe the server.
 OPEN_SERVICES = frozenset(
     {
@@ -34,14 +34,7 @@ OPEN_SERVICES = frozenset(
     }
 )
 # Methods that change the server's state: read-write tokens only.
-WRITE_METHODS = frozenset({f"/{GRADIENT_SERVICE}/SetWeights"})
-
-_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
+WRITE_METHODS = frozenset({method_path("SetWeights")})
 
 
 class TokenFileError(ValueError):
@@ -154,7 +147,4 @@ def _refusing(
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    kind = (handler.request_streaming, handler.response_streaming)
-    return _HANDLER_FACTORIES[kind](
-        refuse, request_deserializer=None, response_serializer=handler.response_serializer
-    )
+    return replaced(handler, refuse, request_deserializer=None)

@@ -26,10 +26,6 @@ class ResourceExhausted(PergradServerError):
     code = "RESOURCE_EXHAUSTED"
 
 
-class Unimplemented(PergradServerError):
-    code = "UNIMPLEMENTED"
-
-
 class Cancelled(PergradServerError):
     """The caller went away (cancelled, or past its deadline); the work stopped."""
 

@@ -13,15 +13,8 @@ from typing import Any
 
 import grpc
 
+from pergrad.server.handlers import behavior_of, kind_of, replaced
 from pergrad.server.metrics import RpcLabels, ServerMetrics
-
-# (request_streaming, response_streaming) -> grpc_type, handler attribute, handler factory
-_KINDS: dict[tuple[bool, bool], tuple[str, str, Callable[..., grpc.RpcMethodHandler]]] = {
-    (False, False): ("unary", "unary_unary", grpc.unary_unary_rpc_method_handler),
-    (False, True): ("server_stream", "unary_stream", grpc.unary_stream_rpc_method_handler),
-    (True, False): ("client_stream", "stream_unary", grpc.stream_unary_rpc_method_handler),
-    (True, True): ("bidi_stream", "stream_stream", grpc.stream_stream_rpc_method_handler),
-}
 
 
 def final_code(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
@@ -61,20 +54,14 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        kind = (handler.request_streaming, handler.response_streaming)
-        grpc_type, attribute, factory = _KINDS[kind]
-        labels = RpcLabels(grpc_type, *_labels(handler_call_details.method))
+        labels = RpcLabels(kind_of(handler).grpc_type, *_labels(handler_call_details.method))
         call = _Call(self._metrics, labels, arrived)
-        behavior = getattr(handler, attribute)
+        behavior = behavior_of(handler)
         if getattr(behavior, "experimental_non_blocking", False):
             behavior = call.wrap_non_blocking(behavior)
         else:
-            behavior = call.wrap(behavior, *kind)
-        return factory(
-            behavior,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+            behavior = call.wrap(behavior, handler.request_streaming, handler.response_streaming)
+        return replaced(handler, behavior)
 
 
 class _Call:

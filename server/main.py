@@ -25,10 +25,9 @@ from pergrad.server.models.registry import ModelRegistry, load_model
 from pergrad.server.reflection import add_reflection
 from pergrad.server.service import GradientServicer, add_to_server
 from pergrad.server.tls import server_credentials
-from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GradientService"].full_name
 
 
 def configure_devices() -> None:

@@ -36,6 +36,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.catalogue import CATALOGUE, NONE
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ LATENCY_BUCKETS_S = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 _RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
-# Reductions the wire contract names; the label is "none" for full per-example gradients.
-NO_REDUCTION = "none"
 # The codes pergrad's own errors map to (pergrad.server.errors), exported from the start.
 REJECTION_CODES = tuple(
     grpc.StatusCode[name]
@@ -280,7 +279,7 @@ class ServerMetrics:
         self.weights_version(model, version)
         self._weights_updates.labels(model)
         self._weights_failures.labels(model)
-        self._examples.labels(model, NO_REDUCTION)
+        self._examples.labels(model, NONE)
         self._response_bytes.labels(model)
 
     def weights_version(self, model: str, version: int) -> None:
@@ -312,9 +311,9 @@ class WeightsUpdate:
 
 
 def _reduction(request: pb.GradientsRequest) -> str:
-    """The reduction label: "none", "norms", ... as the engine names them."""
+    """The reduction label: "none", "norms", ... as the catalogue names them."""
     try:
-        return pb.Reduction.Name(request.reduction).removeprefix("REDUCTION_").lower()
+        return CATALOGUE.by_enum(pb.Reduction.Name(request.reduction)).name
     except ValueError:  # a value newer than this server's wire contract
         return "unknown"
 
@@ -358,7 +357,7 @@ class _GradientsTracker:
             yield message
 
     def _count(self, message: pb.GradientsResponse | bytes) -> None:
-        """Response bytes; a pre-encoded chunk message (`pergrad.client._wire`) is bytes."""
+        """Response bytes; a pre-encoded chunk message (`pergrad.wire.chunks`) is bytes."""
         if isinstance(message, bytes):
             size = len(message)
         else:

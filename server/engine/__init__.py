@@ -4,6 +4,7 @@ from pergrad.server.engine import Engine
 result = Engine(model, loss="sparse_categorical_crossentropy").per_example_gradients(x, y)
 """
 
-from pergrad.server.engine.engine import Engine, InputSpec, SliceResult, VariableSpec
+from pergrad.server.engine.batch import Batch, InputSpec
+from pergrad.server.engine.engine import Engine, SliceResult, VariableSpec
 
-__all__ = ["Engine", "InputSpec", "SliceResult", "VariableSpec"]
+__all__ = ["Batch", "Engine", "InputSpec", "SliceResult", "VariableSpec"]

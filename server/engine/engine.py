@@ -7,6 +7,10 @@ Layers with a closed-form rule (`rules/`) get per-example gradients from one ord
 forward and backward pass; the rest from the vectorized route (`vectorized.py`). Work
 runs in slices of examples so that TensorFlow never holds more than `slice_bytes` of
 per-example tensors, and results are written once, straight into numpy buffers.
+
+Two layers of calls: `batch` casts and checks a batch once (the service calls it before
+admission), `compute` and `blocks` work on such a `Batch`; `per_example_gradients` and
+`iter_slices` do both, for in-process use.
 """
 
 from __future__ import annotations
@@ -14,20 +18,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from pergrad.client import GradientResult
 from pergrad.server.engine import reductions
+from pergrad.server.engine.batch import Batch, InputSpec, make_batch
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
-from pergrad.server.engine.losses import LabelSpec, PerExampleLoss, check_labels
+from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.server.errors import Cancelled, InvalidArgument
+from pergrad.wire.casting import dtype_named
+from pergrad.wire.catalogue import CATALOGUE, NONE, OptionError
+from pergrad.wire.results import GradientResult
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -49,12 +56,14 @@ class VariableSpec:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class InputSpec:
-    """Per-example input: dtype and shape without the batch; None is any size."""
+class Slice(NamedTuple):
+    """One pass over examples [start, stop): losses [n] and each variable's numpy
+    per-example gradient (dense or factored, see `grads`), in model order."""
 
-    dtype: np.dtype
-    shape: tuple[int | None, ...]
+    start: int
+    stop: int
+    losses: np.ndarray
+    grads: list[Grad]
 
 
 @dataclass(frozen=True)
@@ -137,14 +146,15 @@ class Engine:
             self.slice_size = min(self.slice_size, FALLBACK_MAX_SLICE)
         self._pass.slice_cap = self.slice_size
         self._pass.choose(weights, *self._pass.probe_batch(x, y))
-        _LOGGER.info(
-            "model %s: %d variables, %d parameters, slices of %d examples, XLA %s; %s",
-            model.name,
-            len(self.variables),
-            self.num_parameters,
-            self.slice_size,
-            "on" if self._pass.xla else "off",
-            self.plan.describe(),
+        _LOGGER.info("model %s: %s", model.name, self.summary)
+
+    @property
+    def summary(self) -> str:
+        """What the engine does for this model, as the server logs it."""
+        return (
+            f"{len(self.variables)} variables, {self.num_parameters} parameters, slices of "
+            f"{self.slice_size} examples, XLA {'on' if self._pass.xla else 'off'}; "
+            f"{self.plan.describe()}"
         )
 
     def _tensorflow_bytes(self, weights: Sequence[tf.Tensor], x: np.ndarray, y: np.ndarray) -> int:
@@ -162,46 +172,14 @@ class Engine:
         }
         return sum(g[0].nbytes for g in grads.values() if not isinstance(g, Outer | Scatter))
 
-    @property
-    def xla(self) -> bool:
-        """Whether the pass runs XLA-compiled (chosen per model with jit_compile="auto")."""
-        return self._pass.xla
-
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
         """The model's own trainable values, as immutable tensors."""
         return tuple(tf.identity(v.value) for v in self.model.trainable_variables)
 
-    def check_batch(self, x: np.ndarray, y: np.ndarray) -> None:
-        """Reject a batch the model cannot take, naming the field and what was expected."""
-        if x.ndim == 0 or x.shape[0] == 0:
-            raise InvalidArgument("inputs: empty batch; send at least one example")
-        if x.dtype != self.input_spec.dtype:
-            raise InvalidArgument(
-                f"inputs: dtype {x.dtype.name}, model expects {self.input_spec.dtype.name}"
-            )
-        expected = self.input_spec.shape
-        if len(x.shape) != len(expected) + 1 or any(
-            want is not None and got != want
-            for got, want in zip(x.shape[1:], expected, strict=False)
-        ):
-            want = ["B", *(("any" if d is None else d) for d in expected)]
-            raise InvalidArgument(f"inputs: shape {list(x.shape)}, model expects {want}")
-        if y.dtype != self.label_spec.dtype:
-            raise InvalidArgument(
-                f"labels: dtype {y.dtype.name}, model expects {self.label_spec.dtype.name}"
-            )
-        if y.shape != (x.shape[0], *self.label_spec.shape):
-            raise InvalidArgument(
-                f"labels: shape {list(y.shape)}, expected {[x.shape[0], *self.label_spec.shape]}"
-                " (one label per input example)"
-            )
-        check_labels(y, self.label_spec)
-        if x.dtype.kind == "f" and not np.isfinite(x).all():
-            bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))
-            raise InvalidArgument(
-                f"inputs: examples {bad[:10].tolist()} hold NaN or infinity; their gradients "
-                "would be NaN too: drop or fix them"
-            )
+    def batch(self, x: Any, y: Any, *, cast_dtypes: bool = True) -> Batch:
+        """(x, y) cast to the model's dtypes (unless `cast_dtypes=False`: then they must
+        be exactly those) and checked: a batch the model can take."""
+        return make_batch(x, y, self.input_spec, self.label_spec, cast_dtypes=cast_dtypes)
 
     def select(self, variables: Sequence[str] | None) -> tuple[VariableSpec, ...]:
         """The named variables in model order (all for None); unknown names are refused."""
@@ -216,24 +194,14 @@ class Engine:
         return tuple(v for v in self.variables if v.name in set(variables))
 
     def _slices(
-        self, x: np.ndarray, y: np.ndarray, trainable: Sequence[tf.Tensor] | None
-    ) -> Iterator[tuple[int, int, np.ndarray, list[Grad]]]:
-        """(start, stop, losses, numpy gradient per variable) for each slice of the batch.
-
-        The batch is checked here, at the call, before any work.
-        """
-        self.check_batch(x, y)
+        self, batch: Batch, trainable: Sequence[tf.Tensor] | None
+    ) -> Iterator[Slice]:
         weights = tuple(trainable) if trainable is not None else self.initial_weights()
-        return self._compute(x, y, weights)
-
-    def _compute(
-        self, x: np.ndarray, y: np.ndarray, weights: tuple[tf.Tensor, ...]
-    ) -> Iterator[tuple[int, int, np.ndarray, list[Grad]]]:
-        for start in range(0, x.shape[0], self.slice_size):
-            stop = min(start + self.slice_size, x.shape[0])
-            losses, grads = self._pass(weights, x[start:stop], y[start:stop])
+        for start in range(0, batch.size, self.slice_size):
+            stop = min(start + self.slice_size, batch.size)
+            losses, grads = self._pass(weights, batch.x[start:stop], batch.y[start:stop])
             numpy_grads = [self._grad_or_zeros(grads, v, stop - start) for v in self.variables]
-            yield start, stop, losses, numpy_grads
+            yield Slice(start, stop, losses, numpy_grads)
 
     @staticmethod
     def _grad_or_zeros(grads: dict[str, Grad], variable: VariableSpec, count: int) -> Grad:
@@ -242,10 +210,13 @@ class Engine:
             return grads[variable.name]
         return np.zeros((count, *variable.shape), variable.dtype)
 
-    def iter_slices(
+    def iter_slices(self, x: Any, y: Any, **kwargs: Any) -> Iterator[SliceResult]:
+        """`blocks` of the batch (x, y), cast and checked here."""
+        return self.blocks(self.batch(x, y), **kwargs)
+
+    def blocks(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
+        batch: Batch,
         *,
         variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
@@ -258,37 +229,40 @@ class Engine:
         overwritten `buffer_sets` blocks later, so consume them before then.
         """
         selected = self.select(variables)
-        slices = self._slices(x, y, trainable)
         bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected)
         block = max(1, min(self.slice_size, block_bytes // bytes_per_example))
         buffers = [
             [np.empty((block, *v.shape), v.dtype) for v in selected] for _ in range(buffer_sets)
         ]
-        return self._blocks(slices, selected, block, buffers)
+        return self._blocks(self._slices(batch, trainable), selected, block, buffers)
 
     @staticmethod
     def _blocks(
-        slices: Iterator[tuple[int, int, np.ndarray, list[Grad]]],
+        slices: Iterator[Slice],
         selected: Sequence[VariableSpec],
         block: int,
         buffers: list[list[np.ndarray]],
     ) -> Iterator[SliceResult]:
         turn = 0
-        for start, stop, losses, grads in slices:
-            for lo in range(0, stop - start, block):
-                hi = min(lo + block, stop - start)
+        for part in slices:
+            for lo in range(0, part.stop - part.start, block):
+                hi = min(lo + block, part.stop - part.start)
                 outs = [buffer[: hi - lo] for buffer in buffers[turn % len(buffers)]]
                 turn += 1
                 for v, out in zip(selected, outs, strict=True):
-                    materialize(rows(grads[v.index], slice(lo, hi)), out)
-                yield SliceResult(start + lo, start + hi, losses[lo:hi], outs)
+                    materialize(rows(part.grads[v.index], slice(lo, hi)), out)
+                yield SliceResult(part.start + lo, part.start + hi, part.losses[lo:hi], outs)
 
-    def per_example_gradients(
+    def per_example_gradients(self, x: Any, y: Any, **kwargs: Any) -> GradientResult:
+        """`compute` on the batch (x, y), cast and checked here (float64 -> float32,
+        int64 -> int32 where nothing is lost)."""
+        return self.compute(self.batch(x, y), **kwargs)
+
+    def compute(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
+        batch: Batch,
         *,
-        reduction: str = reductions.NONE,
+        reduction: str = NONE,
         variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
         out: GradientResult | None = None,
@@ -299,48 +273,53 @@ class Engine:
 
         reduction "none": `gradients` {variable: [B, *shape]}; `out`, a previous result
         of the same batch size, is refilled and returned (warm buffers fill about twice
-        as fast as fresh ones). Other reductions take their options as keywords:
-        "norms"; "clipped_sum" (max_norm, noise_multiplier, seed); "moments";
-        "dot" (reference {variable: [K, *shape]}); "project" (dim, seed, kind).
-        `variables` restricts every mode to the named variables. `cancelled` is asked
-        between slices; when it answers True the work stops with `Cancelled`.
+        as fast as fresh ones). Other reductions take their options as keywords, as
+        `pergrad.wire.catalogue` declares them: "norms"; "clipped_sum" (max_norm,
+        noise_multiplier, seed); "moments"; "dot" (reference {variable: [K, *shape]});
+        "project" (dim, seed, kind). `variables` restricts every mode to the named
+        variables. `cancelled` is asked between slices; when it answers True the work
+        stops with `Cancelled`.
         """
+        try:
+            entry = CATALOGUE.get(reduction)
+            checked = CATALOGUE.check_options(entry, options)
+        except OptionError as err:
+            raise InvalidArgument(str(err)) from None
         selected = self.select(variables)
-        if reduction != reductions.NONE:
-            reduce = reductions.make_reduction(reduction, selected, options)
-            return self._reduce(x, y, selected, trainable, reduce, cancelled)
-        if options:
-            raise InvalidArgument(f"{sorted(options)}: not options of reduction 'none'")
-        slices = self._slices(x, y, trainable)
-        result = out if out is not None else self._allocate(x.shape[0], selected)
-        self._check_out(result, x.shape[0], selected)
-        for start, stop, losses, grads in slices:
-            _stop_if(cancelled, start, x.shape[0])
-            result.losses[start:stop] = losses
+        slices = self._slices(batch, trainable)
+        if entry.name != NONE:
+            reduce = reductions.make_reduction(entry.name, selected, checked)
+            return self._reduce(batch.size, slices, selected, reduce, cancelled)
+        result = out if out is not None else self._allocate(batch.size, selected)
+        self._check_out(result, batch.size, selected)
+        for part in slices:
+            _stop_if(cancelled, part.start, batch.size)
+            result.losses[part.start : part.stop] = part.losses
             for v in selected:
-                materialize(grads[v.index], result.gradients[v.name][start:stop])
+                materialize(part.grads[v.index], result.gradients[v.name][part.start : part.stop])
+        if checked["wire_dtype"]:  # in-process there is no wire: the gradients' dtype
+            dtype = dtype_named(checked["wire_dtype"])
+            result.gradients = {k: g.astype(dtype) for k, g in result.gradients.items()}
         return result
 
     def _reduce(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
+        size: int,
+        slices: Iterator[Slice],
         selected: Sequence[VariableSpec],
-        trainable: Sequence[tf.Tensor] | None,
         reduction: reductions.Reduction,
         cancelled: Callable[[], bool] | None,
     ) -> GradientResult:
-        slices = self._slices(x, y, trainable)
-        losses = np.empty(x.shape[0], self.loss_dtype)
-        for start, stop, part, grads in slices:
-            _stop_if(cancelled, start, x.shape[0])
-            losses[start:stop] = part
-            reduction.add({v.name: grads[v.index] for v in selected})
-        return GradientResult(losses=losses, model=self.model.name, **reduction.finish())
+        losses = np.empty(size, self.loss_dtype)
+        for part in slices:
+            _stop_if(cancelled, part.start, size)
+            losses[part.start : part.stop] = part.losses
+            reduction.add({v.name: part.grads[v.index] for v in selected})
+        return GradientResult(losses, model=self.model.name, **reduction.finish())
 
     def _allocate(self, batch: int, selected: Sequence[VariableSpec]) -> GradientResult:
         return GradientResult(
-            losses=np.empty(batch, self.loss_dtype),
+            np.empty(batch, self.loss_dtype),
             gradients={v.name: np.empty((batch, *v.shape), v.dtype) for v in selected},
             model=self.model.name,
         )

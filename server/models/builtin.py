@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import keras
 
+from pergrad.server.engine.layers import PositionEmbedding
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -68,29 +70,6 @@ def wide_mlp() -> keras.Model:
     h = _dense(seeds, 512, "hidden1", "relu")(inputs)
     h = _dense(seeds, 512, "hidden2", "relu")(h)
     return keras.Model(inputs, _dense(seeds, 10, "logits")(h), name="wide_mlp")
-
-
-@keras.saving.register_keras_serializable(package="pergrad")
-class PositionEmbedding(keras.layers.Layer):
-    """Adds a learned vector per position to a [B, T, D] sequence."""
-
-    def __init__(self, initializer: keras.initializers.Initializer | None = None, **kwargs):
-        super().__init__(**kwargs)
-        self.initializer = keras.initializers.get(initializer or "glorot_uniform")
-
-    def build(self, input_shape: tuple[int | None, ...]) -> None:
-        self.positions = self.add_weight(
-            shape=tuple(input_shape[1:]), initializer=self.initializer, name="positions"
-        )
-
-    def call(self, inputs):
-        return inputs + self.positions[None]
-
-    def get_config(self) -> dict:
-        return {
-            **super().get_config(),
-            "initializer": keras.initializers.serialize(self.initializer),
-        }
 
 
 def transformer_block() -> keras.Model:

@@ -46,14 +46,7 @@ def main(target: str, model: str, reductions: list[str]) -> None:
             result = client.per_example_gradients(
                 model, x, y, reduction=reduction, **OPTIONS[reduction](info)
             )
-            fields = {
-                name: value
-                for name, value in vars(result).items()
-                if name not in {"model", "model_version", "server"}
-                and value is not None
-                and not (isinstance(value, dict) and not value)
-            }
-            report[reduction] = _shapes(fields)
+            report[reduction] = _shapes({"losses": result.losses, **result.outputs})
     print(json.dumps(report))
 
 

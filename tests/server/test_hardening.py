@@ -12,7 +12,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.client._codec import encode_tensor, iter_chunks, tensor_spec
 from pergrad.server.engine.losses import PerExampleLoss
 from pergrad.server.engine.reference import References
 from pergrad.server.main import RunningServer, start
@@ -20,6 +19,7 @@ from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
 from tests.helpers import assert_close, batch_for, loopback_config
 
 

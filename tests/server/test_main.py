@@ -66,7 +66,7 @@ class _Serve:
     """`pergrad serve` in a process of its own, with its log kept."""
 
     def __init__(self, *flags: str) -> None:
-        command = [sys.executable, "-m", "pergrad.client.cli", "serve", *flags]
+        command = [sys.executable, "-m", "pergrad.cli", "serve", *flags]
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         match = None

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.client._codec import encode_tensor
 from pergrad.server.main import RunningServer
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+from pergrad.wire.codec import encode_tensor
 from tests.helpers import KERAS_MODEL_NAME, batch_for
 from tests.prometheus import promtool, sample_names, scrape
 

@@ -193,9 +193,9 @@ def test_bad_requests_get_a_precise_status_and_server_keeps_serving(
 
 
 def test_wrong_input_dtype_on_the_wire_is_refused(server: RunningServer) -> None:
-    from pergrad.client._codec import encode_tensor
     from pergrad.v1 import gradient_service_pb2 as pb
     from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+    from pergrad.wire.codec import encode_tensor
 
     request = pb.GradientsRequest(
         model="mnist_mlp",
@@ -263,7 +263,7 @@ def test_half_precision_on_the_wire_keeps_the_values(client: GradientClient, wir
 
 def test_wire_dtype_with_a_reduction_is_refused(client: GradientClient) -> None:
     x, y = _batch(client, "mnist_mlp", 2)
-    with pytest.raises(PergradError, match="wire_dtype: applies to full gradients") as err:
+    with pytest.raises(PergradError, match="wire_dtype applies to none") as err:
         client.per_example_gradients("mnist_mlp", x, y, reduction="norms", wire_dtype="float16")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 

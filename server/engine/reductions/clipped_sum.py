@@ -10,7 +10,6 @@ anyone could regenerate from a known default seed would protect nothing.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +20,6 @@ from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import weighted_sum
 from pergrad.server.engine.reductions.norms import squared
 from pergrad.server.engine.reductions.random_streams import gaussian, secure_gaussian, stream_key
-from pergrad.server.errors import InvalidArgument
 
 NOISE_STREAM = 2
 
@@ -31,18 +29,10 @@ class ClippedSum:
         self,
         variables: Sequence[Selected],
         *,
-        max_norm: float | None = None,
-        noise_multiplier: float = 0.0,
-        seed: int | None = None,
+        max_norm: float,
+        noise_multiplier: float,
+        seed: int | None,
     ) -> None:
-        if max_norm is None or not 0 < max_norm < math.inf:
-            raise InvalidArgument(
-                f"max_norm: clipped_sum needs a finite positive bound, got {max_norm}"
-            )
-        if not 0 <= noise_multiplier < math.inf:
-            raise InvalidArgument(
-                f"noise_multiplier: must be finite and >= 0, got {noise_multiplier}"
-            )
         self._variables = variables
         self._max_norm = float(max_norm)
         self._noise = float(noise_multiplier)
@@ -74,3 +64,6 @@ class ClippedSum:
             "norms": norms.astype(np.float32),
             "num_clipped": int((norms > self._max_norm).sum()),
         }
+
+
+REDUCTION = ClippedSum

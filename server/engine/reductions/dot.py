@@ -15,9 +15,10 @@ from pergrad.server.errors import InvalidArgument
 
 
 def _checked(
-    variables: Sequence[Selected], reference: Mapping[str, np.ndarray] | None
+    variables: Sequence[Selected], reference: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    reference = dict(reference or {})
+    """One [K, *shape] array per selected variable, the same K >= 1 for all."""
+    reference = dict(reference)
     names = {v.name for v in variables}
     if reference.keys() != names:
         missing, extra = sorted(names - reference.keys()), sorted(reference.keys() - names)
@@ -40,7 +41,7 @@ def _checked(
 
 class Dot:
     def __init__(
-        self, variables: Sequence[Selected], *, reference: Mapping[str, np.ndarray] | None = None
+        self, variables: Sequence[Selected], *, reference: Mapping[str, np.ndarray]
     ) -> None:
         self._variables = variables
         self._reference = _checked(variables, reference)
@@ -53,3 +54,6 @@ class Dot:
 
     def finish(self) -> dict[str, Any]:
         return {"dots": np.concatenate(self._parts).astype(np.float32)}
+
+
+REDUCTION = Dot

@@ -28,3 +28,6 @@ class Moments:
 
     def finish(self) -> dict[str, Any]:
         return {"sum": self._sum, "sum_squares": self._squares}
+
+
+REDUCTION = Moments

@@ -33,3 +33,6 @@ class Norms:
             "norms": np.sqrt(total).astype(np.float32),
             "variable_norms": {k: np.sqrt(s).astype(np.float32) for k, s in per_variable.items()},
         }
+
+
+REDUCTION = Norms

@@ -26,10 +26,8 @@ import numpy as np
 from pergrad.server.engine.grads import Grad, Outer, Scatter
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import blocks, examples
-from pergrad.server.engine.reductions.random_streams import KINDS, matrix_rows
-from pergrad.server.errors import InvalidArgument
+from pergrad.server.engine.reductions.random_streams import matrix_rows
 
-MAX_DIM = 1 << 16
 BLOCK_BYTES = 16 << 20
 DEFAULT_CACHE_BYTES = 256 << 20
 
@@ -78,15 +76,11 @@ class Project:
         self,
         variables: Sequence[Selected],
         *,
-        dim: int | None = None,
-        seed: int = 0,
-        kind: str = "rademacher",
+        dim: int,
+        seed: int,
+        kind: str,
         cache: MatrixCache = CACHE,
     ) -> None:
-        if dim is None or not 1 <= dim <= MAX_DIM:
-            raise InvalidArgument(f"dim: project needs 1 <= dim <= {MAX_DIM}, got {dim}")
-        if kind not in KINDS:
-            raise InvalidArgument(f"projection: unknown kind {kind!r}; known: {', '.join(KINDS)}")
         self._variables = variables
         self._dim, self._seed, self._kind = int(dim), int(seed), kind
         self._cache = cache
@@ -157,3 +151,6 @@ class Project:
     def finish(self) -> dict[str, Any]:
         projections = np.concatenate(self._parts) / np.sqrt(self._dim)
         return {"projections": projections.astype(np.float32)}
+
+
+REDUCTION = Project

@@ -10,11 +10,13 @@ variables. With the batch first everywhere:
 `Grad` is a dense [B, *variable.shape] tensor or a factored form (`pergrad.server.engine.
 grads`). `applies(layer)` returns None when the rule covers this layer's configuration,
 else the reason it does not (the layer's variables then use the generic vectorized route).
-Adding a layer type is adding one module and one line in `default_registry`.
+Adding a layer type is adding one module here, with its `RULE` and the `LAYERS` it covers.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,26 +58,10 @@ class LayerRegistry:
 
 
 def default_registry() -> LayerRegistry:
-    from pergrad.server.engine.rules import (
-        batch_norm,
-        conv,
-        dense,
-        depthwise_conv,
-        einsum_dense,
-        embedding,
-        layer_norm,
-        position_embedding,
-    )
-    from pergrad.server.models.builtin import PositionEmbedding
-
+    """Every rule module of this package: its RULE for each class in its LAYERS."""
     registry = LayerRegistry()
-    registry.register(keras.layers.Dense, dense.RULE)
-    registry.register(keras.layers.EinsumDense, einsum_dense.RULE)
-    registry.register(keras.layers.Conv1D, conv.RULE)
-    registry.register(keras.layers.Conv2D, conv.RULE)
-    registry.register(keras.layers.DepthwiseConv2D, depthwise_conv.RULE)
-    registry.register(keras.layers.Embedding, embedding.RULE)
-    registry.register(keras.layers.LayerNormalization, layer_norm.RULE)
-    registry.register(keras.layers.BatchNormalization, batch_norm.RULE)
-    registry.register(PositionEmbedding, position_embedding.RULE)
+    for module in pkgutil.iter_modules(__path__):
+        rule_module = importlib.import_module(f"{__name__}.{module.name}")
+        for layer_class in rule_module.LAYERS:
+            registry.register(layer_class, rule_module.RULE)
     return registry

@@ -39,3 +39,5 @@ def per_example(
 
 
 RULE = Rule(per_example, _applies)
+# The layer classes (exactly these; a subclass may change the math) this rule covers.
+LAYERS = (keras.layers.BatchNormalization,)

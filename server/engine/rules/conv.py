@@ -82,3 +82,5 @@ def per_example(
 
 
 RULE = Rule(per_example, applies_to_conv)
+# The layer classes (exactly these; a subclass may change the math) this rule covers.
+LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D)

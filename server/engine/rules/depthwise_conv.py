@@ -33,3 +33,5 @@ def per_example(
 
 
 RULE = Rule(per_example, applies_to_conv)
+# The layer classes (exactly these; a subclass may change the math) this rule covers.
+LAYERS = (keras.layers.DepthwiseConv2D,)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad
+from pergrad.server.engine.layers import PositionEmbedding
 from pergrad.server.engine.rules import Rule
-from pergrad.server.models.builtin import PositionEmbedding
 
 
 def per_example(
@@ -16,3 +16,5 @@ def per_example(
 
 
 RULE = Rule(per_example)
+# The layer classes (exactly these; a subclass may change the math) this rule covers.
+LAYERS = (PositionEmbedding,)

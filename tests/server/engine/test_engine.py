@@ -110,17 +110,28 @@ def test_sequence_outputs_average_loss_over_time_steps() -> None:
     [
         ((0, 784), np.float32, np.zeros(0, np.int32), "empty batch"),
         ((2, 783), np.float32, np.zeros(2, np.int32), "shape [2, 783]"),
-        ((2, 784), np.float64, np.zeros(2, np.int32), "dtype float64"),
+        ((2, 784), np.float32, np.zeros(2, np.float32), "labels: model expects int32"),
+        ((2, 784), np.float32, np.array([0, 2**40]), "labels: values outside the range"),
         ((2, 784), np.float32, np.zeros(3, np.int32), "labels: shape [3]"),
         ((2, 784), np.float32, np.array([0, 10], np.int32), "class index 10"),
         ((2, 784), np.float32, np.array([-1, 0], np.int32), "class index -1"),
-        ((2, 784), np.float32, np.zeros(2, np.int64), "labels: dtype int64"),
     ],
 )
 def test_bad_batches_are_refused_naming_the_problem(x_shape, x_dtype, y, message) -> None:
     engine = _engine("mnist_mlp")
     with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]")):
         engine.iter_slices(np.zeros(x_shape, x_dtype), y)
+
+
+def test_numpy_default_dtypes_are_cast_without_loss() -> None:
+    """float64 inputs and int64 labels, numpy's defaults, as the client casts them."""
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine, 3)
+    cast = engine.per_example_gradients(np.asfortranarray(x.astype(np.float64)), y.astype(int))
+    exact = engine.per_example_gradients(x, y)
+    assert cast.gradients.keys() == exact.gradients.keys()
+    for name, grad in exact.gradients.items():
+        np.testing.assert_array_equal(cast.gradients[name], grad)
 
 
 def test_model_without_loss_is_refused() -> None:
@@ -159,7 +170,6 @@ def test_xla_pads_odd_slices_and_drops_the_padding() -> None:
 
 def test_auto_jit_picks_a_route_and_stays_correct() -> None:
     engine = Engine(BUILTIN_MODELS["mnist_mlp"](), loss=LOSS, jit_compile="auto")
-    assert engine.xla in (True, False)
     x, y = _batch(engine, 3)
     _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
     result = engine.per_example_gradients(x, y)

@@ -197,7 +197,7 @@ def test_variables_filter_limits_every_output() -> None:
         ({"reduction": "clipped_sum", "max_norm": float("inf")}, "finite positive bound"),
         (
             {"reduction": "clipped_sum", "max_norm": 1.0, "noise_multiplier": float("nan")},
-            "noise_multiplier: must be finite",
+            "noise_multiplier: clipped_sum needs 0 <= noise_multiplier < inf, got nan",
         ),
         ({"reduction": "norms", "max_norm": 1.0}, "not options of reduction 'norms'"),
         ({"max_norm": 1.0}, "not options of reduction 'none'"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pergrad.client._codec import (
+from pergrad.v1 import tensor_pb2 as pb
+from pergrad.wire.codec import (
     CodecError,
     TensorAssembler,
     decode_tensor,
@@ -13,7 +14,6 @@ from pergrad.client._codec import (
     iter_chunks,
     tensor_spec,
 )
-from pergrad.v1 import tensor_pb2 as pb
 
 
 @pytest.mark.parametrize(
@@ -106,9 +106,3 @@ def test_truncated_tensor_is_refused_when_read() -> None:
     assert not assembler.complete
     with pytest.raises(CodecError, match="'t0' truncated: 64 of 400 bytes"):
         assembler.arrays()
-
-
-def test_declared_size_above_the_limit_is_refused_before_allocating() -> None:
-    spec = pb.TensorSpec(name="huge", dtype=pb.DATA_TYPE_FLOAT32, shape=[1 << 40])
-    with pytest.raises(CodecError, match="more than the limit"):
-        TensorAssembler([spec], max_bytes=1 << 20)

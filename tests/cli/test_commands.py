@@ -14,7 +14,7 @@ import pytest
 from pergrad.client import GradientClient
 from tests.helpers import spawn_server, stop_server
 
-PERGRAD = [sys.executable, "-m", "pergrad.client.cli"]
+PERGRAD = [sys.executable, "-m", "pergrad.cli"]
 SERVE = [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
 
 

@@ -1,6 +1,6 @@
 """numpy <-> wire tensors: raw little-endian row-major bytes with a dtype and a shape.
 
-The one codec of the project: the server imports it from here. Large tensors travel
+The one codec of the project, for the client and the server. Large tensors travel
 as a list of `TensorSpec`s followed by `TensorChunk`s; `TensorAssembler` allocates each
 tensor once and copies every chunk straight into place.
 """
@@ -126,29 +126,20 @@ class TensorAssembler:
     """
 
     def __init__(
-        self,
-        specs: Sequence[pb.TensorSpec],
-        *,
-        max_bytes: int | None = None,
-        into: Sequence[np.ndarray] | None = None,
+        self, specs: Sequence[pb.TensorSpec], *, into: Sequence[np.ndarray] | None = None
     ) -> None:
         """`into`: arrays to fill instead of fresh ones (warm buffers fill faster); each
-        must have its spec's dtype and shape and be C-contiguous and writeable."""
+        must have its spec's dtype and shape and be C-contiguous and writeable. Check the
+        specs against what you expect before: each tensor is allocated here."""
+        if into is not None and len(into) != len(specs):
+            raise CodecError(f"{len(into)} arrays to fill for {len(specs)} tensors")
         self._arrays: list[np.ndarray] = []
         self._bytes: list[memoryview] = []
         self._filled: list[int] = []
         self._names = [spec.name for spec in specs]
-        total = 0
-        for spec in specs:
+        for index, spec in enumerate(specs):
             dtype = numpy_dtype(spec.dtype)
             shape = checked_shape(spec.shape, what=f"tensor {spec.name!r}")
-            total += declared_nbytes(dtype, shape)
-            if max_bytes is not None and total > max_bytes:
-                raise CodecError(f"tensors declare more than the limit of {max_bytes} bytes")
-        if into is not None and len(into) != len(specs):
-            raise CodecError(f"{len(into)} arrays to fill for {len(specs)} tensors")
-        for index, spec in enumerate(specs):
-            dtype, shape = numpy_dtype(spec.dtype), tuple(spec.shape)
             array = np.empty(shape, dtype=dtype) if into is None else into[index]
             if (array.dtype, array.shape) != (dtype, shape) or not (
                 array.flags.c_contiguous and array.flags.writeable

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pergrad.client.cli import main
+from pergrad.cli import main
 from tests.helpers import spawn_server, stop_server
 from tests.pki import Pki, make_pki
 
-PERGRAD = [sys.executable, "-m", "pergrad.client.cli"]
+PERGRAD = [sys.executable, "-m", "pergrad.cli"]
 TOKEN = "cli-token-83d0"
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pergrad.client._wire import decode_response, encode_chunk
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.chunks import decode_response, encode_chunk
 
 CASES = [
     (0, 0, 0, b""),

@@ -1,0 +1,179 @@
+"""`pergrad info` and `pergrad grads`: the client's commands.
+
+`grads` takes a flag for every option of every reduction in the catalogue (`--max-norm`,
+`--dim`, ..., `--reference FILE.npz` for tensor options) and writes every output the
+chosen reduction returns: per-example rows for all examples, sums over all batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from pergrad.cli.connect import add_connection_arguments, connect
+from pergrad.client import GradientResult, ModelInfo, PergradError
+from pergrad.wire.catalogue import CATALOGUE, Option
+
+
+def _describe(info: ModelInfo) -> str:
+    lines = [
+        f"{info.name}  version {info.model_version}  {info.num_parameters:,} parameters",
+        f"  input   {info.input.dtype.name} {list(info.input.shape)}",
+        f"  labels  {info.labels.dtype.name} {list(info.labels.shape)}"
+        + (f"  classes {info.num_classes}" if info.num_classes else ""),
+        f"  loss    {info.loss}",
+    ]
+    lines += [f"  var     {v.name}  {v.dtype.name} {list(v.shape)}" for v in info.variables]
+    return "\n".join(lines)
+
+
+def _info(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        names = [args.model] if args.model else client.list_models()
+        print("\n".join(_describe(client.model_info(name)) for name in names))
+    return 0
+
+
+def _batches(x: np.ndarray, y: np.ndarray, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for start in range(0, len(x), size):
+        yield x[start : start + size], y[start : start + size]
+
+
+def _flag(option: Option) -> str:
+    return "--" + option.name.replace("_", "-")
+
+
+def _option_value(option: Option, value: Any) -> Any:
+    """A flag's value as the client takes it: a tensor option's .npz read into arrays."""
+    if option.kind != "tensors":
+        return value
+    try:
+        with np.load(value) as arrays:
+            return {name: arrays[name] for name in arrays.files}
+    except OSError as err:
+        raise SystemExit(f"pergrad: {_flag(option)} {value!r} cannot be read: {err}") from None
+
+
+def _reduction_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the chosen reduction takes (flags of other reductions are not sent)."""
+    reduction = CATALOGUE.get(args.reduction)
+    given = {o.name: getattr(args, o.name) for o in reduction.options}
+    return {
+        o.name: _option_value(o, given[o.name])
+        for o in reduction.options
+        if given[o.name] is not None
+    }
+
+
+class _Written:
+    """The arrays `grads` writes, gathered batch by batch as the catalogue says."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def add(self, result: GradientResult, start: int) -> None:
+        stop = start + result.batch_size
+        self._rows("losses", result.losses, start, stop)
+        for field, value in result.outputs.items():
+            output = CATALOGUE.output(field)
+            named = value.items() if output.per_variable else [("", value)]
+            for variable, array in named:
+                key = f"{output.prefix}/{variable}" if variable else output.prefix
+                if output.rows == "example":
+                    self._rows(key, np.asarray(array), start, stop)
+                else:
+                    self.arrays[key] = self.arrays[key] + array if key in self.arrays else array
+        self.arrays["model_version"] = np.asarray(result.model_version)
+
+    def _rows(self, key: str, value: np.ndarray, start: int, stop: int) -> None:
+        if key not in self.arrays:
+            self.arrays[key] = np.empty((self.total, *value.shape[1:]), dtype=value.dtype)
+        self.arrays[key][start:stop] = value
+
+
+def _grads(args: argparse.Namespace) -> int:
+    with np.load(args.data) as data:
+        x, y = data[args.x_key], data[args.y_key]
+    if len(x) != len(y):
+        raise SystemExit(f"{args.data}: {len(x)} inputs but {len(y)} labels")
+    written = _Written(len(x))
+    with connect(args) as client:
+        results = client.stream(
+            args.model,
+            _batches(x, y, args.batch_size),
+            reduction=args.reduction,
+            variables=args.variables,
+            **_reduction_options(args),
+        )
+        progress = tqdm(total=len(x), unit="ex", disable=args.quiet)
+        start = 0
+        for result in results:
+            written.add(result, start)
+            start += result.batch_size
+            progress.update(result.batch_size)
+        progress.close()
+    np.savez(args.out, **written.arrays)
+    count = len(written.arrays) - 1
+    print(f"wrote {args.out}: {len(x)} examples, {count} arrays ({args.reduction})")
+    return 0
+
+
+def _add_reduction_arguments(grads: argparse.ArgumentParser) -> None:
+    outputs = {
+        r.name: ", ".join(o.prefix + ("/<variable>" if o.per_variable else "") for o in r.outputs)
+        for r in CATALOGUE.reductions.values()
+    }
+    grads.add_argument(
+        "--reduction",
+        default="none",
+        choices=CATALOGUE.names,
+        help="what to compute and write, besides losses: "
+        + "; ".join(f"{name}: {written}" for name, written in outputs.items()),
+    )
+    for option in CATALOGUE.options():
+        takers = [r.name for r in CATALOGUE.reductions.values() if option.name in r.option_names]
+        help_text = f"{option.help} ({', '.join(takers)})"
+        if option.kind == "tensors":
+            grads.add_argument(_flag(option), help=f"{help_text}: a .npz of arrays by variable")
+        elif option.kind == "choice":
+            grads.add_argument(_flag(option), choices=option.choices, help=help_text)
+        else:
+            kind = float if option.kind == "float" else int
+            grads.add_argument(_flag(option), type=kind, help=help_text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pergrad", description="Per-example gradients from a pergrad server."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run a server (flags: pergrad serve --help)", add_help=False)
+    for name, help_text in [("info", "describe served models"), ("grads", "gradients of a .npz")]:
+        add_connection_arguments(sub.add_parser(name, help=help_text))
+    sub.choices["info"].add_argument("--model", help="one model (default: all)")
+    grads = sub.choices["grads"]
+    grads.add_argument("--model", required=True)
+    grads.add_argument("--data", required=True, help=".npz with inputs and labels")
+    grads.add_argument("--out", required=True, help=".npz to write")
+    grads.add_argument("--x-key", default="x", help="inputs array in --data")
+    grads.add_argument("--y-key", default="y", help="labels array in --data")
+    grads.add_argument("--batch-size", type=int, default=64)
+    grads.add_argument("--variables", nargs="+", help="only these variables")
+    _add_reduction_arguments(grads)
+    grads.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def run(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"info": _info, "grads": _grads}[args.command](args)
+    except PergradError as err:
+        print(f"pergrad {args.command}: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,110 @@
+"""What one gradients call asks besides its batch, shared by `per_example_gradients` and
+`stream`: the reduction and its checked options, the variables, a pinned version."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pergrad.client._types import ModelInfo, invalid
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.casting import CastError, cast, dtype_named
+from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
+from pergrad.wire.messages import gradients_request
+from pergrad.wire.results import ExpectedOutput, expected_outputs
+
+
+@dataclass(frozen=True)
+class Call:
+    """A gradients call: `Call.of` checks the options by the catalogue."""
+
+    model: str
+    reduction: Reduction
+    options: dict[str, Any]
+    variables: tuple[str, ...] | None = None
+    model_version: int = 0
+    upcast: bool = False
+    timeout: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        model: str,
+        *,
+        reduction: str = "none",
+        variables: Sequence[str] | None = None,
+        model_version: int = 0,
+        upcast: bool = False,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Call:
+        try:
+            entry = CATALOGUE.get(reduction)
+            checked = CATALOGUE.check_options(entry, options)
+        except OptionError as err:
+            raise invalid(str(err)) from None
+        names = tuple(variables) if variables is not None else None
+        return cls(model, entry, checked, names, model_version, upcast, timeout)
+
+    def part(self, index: int) -> Call:
+        """The call for micro-batch `index` of a batch: options applied once per batch
+        (noise) only on the first."""
+        if index == 0:
+            return self
+        options = {
+            o.name: o.default if o.once_per_batch else self.options[o.name]
+            for o in self.reduction.options
+        }
+        return dataclasses.replace(self, options=options)
+
+    def request(
+        self, info: ModelInfo, x: Any, y: Any, *, request_id: int = 0
+    ) -> pb.GradientsRequest:
+        """The request for batch (x, y), cast to the model's dtypes."""
+        try:
+            inputs = cast(x, info.input.dtype, what="inputs")
+            labels = cast(y, info.labels.dtype, what="labels")
+        except CastError as err:
+            raise invalid(str(err)) from None
+        return gradients_request(
+            self.model,
+            inputs,
+            labels,
+            reduction=self.reduction,
+            options=self.options,
+            variables=self.variables,
+            model_version=self.model_version,
+            request_id=request_id,
+        )
+
+    def expected(
+        self, info: ModelInfo, batch: int
+    ) -> list[tuple[ExpectedOutput, np.dtype | None]]:
+        """The outputs a correct result of a batch of `batch` holds, each with the dtype
+        it must travel in (None: any floating-point type, the model's loss dtype)."""
+        chosen = set(self.variables) if self.variables else None
+        variables = [v for v in info.variables if chosen is None or v.name in chosen]
+        expected = expected_outputs(
+            self.reduction,
+            batch=batch,
+            variables=[(v.name, tuple(v.shape)) for v in variables],
+            options=self.options,
+        )
+        dtypes = {v.name: v.dtype for v in variables}
+        wire = self.options.get("wire_dtype")
+        return [(e, self._dtype(e, dtypes, wire)) for e in expected]
+
+    @staticmethod
+    def _dtype(
+        expected: ExpectedOutput, variables: dict[str, np.dtype], wire: str | None
+    ) -> np.dtype | None:
+        token = expected.output.dtype
+        if token == "loss":
+            return None
+        if token == "grad":
+            return dtype_named(wire) if wire else variables[expected.variable]
+        return np.dtype(token)

@@ -1,0 +1,99 @@
+"""One call sent again when its replica dies; a batch split into micro-batches computed
+concurrently (on several replicas) and merged in order; batches spread over replicas."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+
+from pergrad.client._call import Call
+from pergrad.client._receive import read_results
+from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.results import GradientResult, merge
+
+# A replica that dies mid-call answers UNAVAILABLE; its share goes to another replica.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def computed(
+    compute_call: Callable[..., Any],
+    info: ModelInfo,
+    call: Call,
+    request: pb.GradientsRequest,
+    *,
+    retries: int,
+    out: GradientResult | None = None,
+) -> GradientResult:
+    """The result of one request, sent again while its replica is gone and retries remain."""
+    expected = call.expected(info, int(request.inputs.shape[0]))
+    for attempt in range(retries + 1):
+        try:
+            responses = compute_call(request, timeout=call.timeout)
+            results = [r for _, r in read_results(responses, lambda _: expected, out=out)]
+        except grpc.RpcError as err:
+            if err.code() in RETRYABLE and attempt < retries:
+                continue
+            raise from_rpc_error(err) from None
+        if len(results) != 1:
+            raise data_loss(f"{len(results)} results for one request")
+        return results[0]
+    raise AssertionError("unreachable")
+
+
+def check_versions(parts: list[GradientResult]) -> None:
+    """Refuse a result assembled from different weights versions."""
+    if len({p.model_version for p in parts}) > 1:
+        seen = ", ".join(sorted({f"{p.server or '?'} v{p.model_version}" for p in parts}))
+        raise PergradError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"micro-batches were computed with different weights versions ({seen}); "
+            "pin model_version, or make every replica current with set_weights",
+        )
+
+
+def micro_batched(
+    compute: Callable[[Call, Any, Any], GradientResult],
+    pool: ThreadPoolExecutor,
+    call: Call,
+    x: np.ndarray,
+    y: np.ndarray,
+    size: int,
+) -> GradientResult:
+    """A batch as micro-batches of `size` computed at once, merged in order."""
+    starts = range(0, len(x), size)
+    futures = [
+        pool.submit(compute, call.part(i), x[s : s + size], y[s : s + size])
+        for i, s in enumerate(starts)
+    ]
+    parts = [f.result() for f in futures]
+    check_versions(parts)
+    result = merge(parts)
+    if result.batch_size != len(x):
+        raise data_loss(f"micro-batches hold {result.batch_size} examples of {len(x)}")
+    return result
+
+
+def spread(
+    pool: ThreadPoolExecutor,
+    compute: Callable[[Any, Any], GradientResult],
+    batches: Iterable[tuple[Any, Any]],
+    max_in_flight: int,
+) -> Iterator[GradientResult]:
+    """Each batch its own call (round_robin spreads them), in order, `max_in_flight` at once."""
+    pending: deque[Future[GradientResult]] = deque()
+    try:
+        for x, y in batches:
+            pending.append(pool.submit(compute, x, y))
+            if len(pending) >= max_in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()

@@ -1,0 +1,114 @@
+"""A model's weights: read from one replica, written to every replica at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+
+from pergrad.client._types import ModelInfo, PergradError, data_loss
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+from pergrad.wire.codec import CodecError, TensorAssembler, iter_chunks, numpy_dtype, tensor_spec
+
+
+def get_weights(
+    stub: pb_grpc.GradientServiceStub, info: ModelInfo, timeout: float | None
+) -> tuple[int, dict[str, np.ndarray]]:
+    """(version, {variable: array}); the header must list the model's variables."""
+    responses = stub.GetWeights(pb.GetWeightsRequest(model=info.name), timeout=timeout)
+    try:
+        header = next(responses).header
+        declared = {(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors}
+        known = {(v.name, v.dtype, tuple(v.shape)) for v in info.variables}
+        if declared != known or len(header.tensors) != len(known):
+            raise CodecError("weights do not match the model's variables")
+        assembler = TensorAssembler(header.tensors)
+        for message in responses:
+            assembler.add(message.chunk)
+        arrays = assembler.arrays()
+    except (CodecError, StopIteration, ValueError, MemoryError) as err:
+        raise data_loss(f"weights of {info.name!r}: {err or type(err).__name__}") from None
+    return header.model_version, {
+        spec.name: array for spec, array in zip(header.tensors, arrays, strict=True)
+    }
+
+
+def _messages(
+    model: str,
+    arrays: Mapping[str, np.ndarray],
+    expected_version: int,
+    new_version: int,
+    chunk_bytes: int,
+) -> Iterator[pb.WeightsMessage]:
+    specs = [tensor_spec(name, array) for name, array in arrays.items()]
+    yield pb.WeightsMessage(
+        header=pb.WeightsHeader(
+            model=model, model_version=expected_version, new_version=new_version, tensors=specs
+        )
+    )
+    for index, array in enumerate(arrays.values()):
+        for chunk in iter_chunks(index, array, chunk_bytes=chunk_bytes):
+            yield pb.WeightsMessage(chunk=chunk)
+
+
+class WeightsWriter:
+    """SetWeights on every replica at once, with one common new version."""
+
+    def __init__(
+        self,
+        stubs: Sequence[pb_grpc.GradientServiceStub],
+        addresses: Sequence[str],
+        pool: ThreadPoolExecutor,
+        chunk_bytes: int,
+    ) -> None:
+        self._stubs, self._addresses = list(stubs), list(addresses)
+        self._pool, self._chunk_bytes = pool, chunk_bytes
+
+    def set(
+        self,
+        info: ModelInfo,
+        weights: Mapping[str, Any],
+        *,
+        expected_version: int,
+        timeout: float | None,
+    ) -> int:
+        dtypes = {v.name: v.dtype for v in info.variables}
+        arrays = {
+            name: np.ascontiguousarray(value, dtype=dtypes.get(name))
+            for name, value in weights.items()
+        }
+        new_version = 0
+        if len(self._stubs) > 1:
+            request = pb.GetModelInfoRequest(model=info.name)
+            versions = self.on_all(
+                lambda s: s.GetModelInfo(request, timeout=timeout).model_version
+            )
+            new_version = max(versions) + 1
+
+        def send(stub: pb_grpc.GradientServiceStub) -> int:
+            messages = _messages(
+                info.name, arrays, expected_version, new_version, self._chunk_bytes
+            )
+            return stub.SetWeights(messages, timeout=timeout).model_version
+
+        return max(self.on_all(send))
+
+    def on_all(self, fn: Callable[[pb_grpc.GradientServiceStub], int]) -> list[int]:
+        """fn on every replica at once; an error names each replica that failed."""
+        futures = [self._pool.submit(fn, stub) for stub in self._stubs]
+        results, failures = [], []
+        for address, future in zip(self._addresses, futures, strict=True):
+            try:
+                results.append(future.result())
+            except grpc.RpcError as err:
+                failures.append((address, err))
+        if failures:
+            code = failures[0][1].code()
+            detail = "; ".join(f"{a}: {e.code().name} {e.details()}" for a, e in failures)
+            total = len(self._stubs)
+            raise PergradError(code, f"{len(failures)} of {total} replicas failed: {detail}")
+        return results

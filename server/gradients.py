@@ -1,0 +1,179 @@
+"""One gradients request, from the parsed request to the response messages.
+
+The request is parsed and its batch checked once, before admission; admission prices
+what the result will hold (`expected_outputs`, by the catalogue); then full gradients
+stream block by block while the next block computes, and reductions are computed whole
+and then chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pergrad.server.admission import Admission
+from pergrad.server.engine import Batch
+from pergrad.server.errors import InvalidArgument
+from pergrad.server.models.registry import ServedModel
+from pergrad.server.prefetch import prefetched
+from pergrad.server.weights import Snapshot
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.casting import dtype_named
+from pergrad.wire.catalogue import NONE
+from pergrad.wire.chunks import RawChunk, encode_chunk
+from pergrad.wire.codec import decode_tensor, iter_raw_chunks
+from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
+from pergrad.wire.results import ExpectedOutput, expected_outputs
+
+Part = pb.ResultHeader | RawChunk
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The server's settings a gradients request needs."""
+
+    max_batch: int
+    chunk_bytes: int
+    replica_name: str
+
+
+@dataclass(frozen=True)
+class Work:
+    """A request, parsed and checked, ready to be admitted and computed."""
+
+    served: ServedModel
+    asked: Asked
+    batch: Batch
+    snapshot: Snapshot
+    outputs: list[tuple[ExpectedOutput, np.dtype]]
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(int(np.prod(e.shape)) * dtype.itemsize for e, dtype in self.outputs)
+
+
+def _decode_batch(request: pb.GradientsRequest, max_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs and labels as arrays viewing the request's bytes, sizes checked first."""
+    tensors = {"inputs": request.inputs, "labels": request.labels}
+    for field, tensor in tensors.items():
+        if not request.HasField(field):
+            raise InvalidArgument(f"{field}: missing")
+        if tensor.shape and tensor.shape[0] > max_batch:
+            raise InvalidArgument(
+                f"{field}: batch of {tensor.shape[0]} exceeds --max-batch {max_batch}; split it"
+            )
+    x, y = (decode_tensor(tensor, what=field) for field, tensor in tensors.items())
+    return x, y
+
+
+def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Settings) -> Work:
+    """Everything about `request` that can be refused, refused before any work."""
+    asked = parse_request(request)
+    engine = served.engine
+    batch = engine.batch(*_decode_batch(request, settings.max_batch), cast_dtypes=False)
+    snapshot = served.weights.get(request.model_version)
+    selected = engine.select(asked.variables)
+    expected = expected_outputs(
+        asked.reduction,
+        batch=batch.size,
+        variables=[(v.name, v.shape) for v in selected],
+        options=asked.options,
+    )
+    variables = {v.name: v.dtype for v in selected}
+    wire = asked.options.get("wire_dtype")
+    outputs = [(e, _dtype(e, variables, wire, engine.loss_dtype)) for e in expected]
+    return Work(served, asked, batch, snapshot, outputs)
+
+
+def _dtype(
+    expected: ExpectedOutput, variables: dict[str, np.dtype], wire: str | None, loss: np.dtype
+) -> np.dtype:
+    token = expected.output.dtype
+    if token == "loss":
+        return loss
+    if token == "grad":
+        return dtype_named(wire) if wire else variables[expected.variable]
+    return np.dtype(token)
+
+
+def responses(
+    work: Work,
+    request_id: int,
+    admission: Admission,
+    settings: Settings,
+    cancelled: Callable[[], bool],
+) -> Iterator[pb.GradientsResponse | bytes]:
+    """The response messages of `work`: a header, then pre-encoded chunk messages."""
+    with admission.admit(work.batch.size, work.result_bytes):
+        if work.asked.reduction.name == NONE:
+            parts = _full_gradients(work, settings, cancelled)
+        else:
+            parts = _whole_result(work, settings, cancelled)
+        for part in parts:
+            if isinstance(part, pb.ResultHeader):
+                yield pb.GradientsResponse(request_id=request_id, header=part)
+            else:
+                yield encode_chunk(request_id, *part)
+
+
+def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeader:
+    return result_header(
+        model=work.served.name,
+        model_version=work.snapshot.version,
+        batch_size=work.batch.size,
+        server=settings.replica_name,
+        outputs=outputs,
+    )
+
+
+def _whole_result(
+    work: Work, settings: Settings, cancelled: Callable[[], bool]
+) -> Iterator[Part]:
+    result = work.served.engine.compute(
+        work.batch,
+        reduction=work.asked.reduction.name,
+        variables=work.asked.variables,
+        trainable=work.snapshot.trainable,
+        cancelled=cancelled,
+        **work.asked.options,
+    )
+    tensors = result_arrays(result)
+    yield _header(work, settings, [(f, v, a.shape, a.dtype) for f, v, a in tensors])
+    for index, (_, _, array) in enumerate(tensors):
+        yield from iter_raw_chunks(index, array, chunk_bytes=settings.chunk_bytes)
+
+
+def _full_gradients(
+    work: Work, settings: Settings, cancelled: Callable[[], bool]
+) -> Iterator[Part]:
+    """Full per-example gradients, streamed block by block.
+
+    A thread computes block k+1 while block k is serialized and sent; the engine
+    rotates three sets of block buffers, enough for one block being sent, one
+    waiting and one being filled.
+    """
+    yield _header(work, settings, [(e.field, e.variable, e.shape, d) for e, d in work.outputs])
+    blocks = work.served.engine.blocks(
+        work.batch,
+        variables=work.asked.variables,
+        trainable=work.snapshot.trainable,
+        buffer_sets=3,
+    )
+    dtypes = [dtype for _, dtype in work.outputs[1:]]
+    # The cast to the wire dtype runs in the prefetch thread too, beside the sending.
+    casted = (
+        (
+            part.start,
+            [
+                part.losses,
+                *(g.astype(d, copy=False) for g, d in zip(part.gradients, dtypes, strict=True)),
+            ],
+        )
+        for part in blocks
+    )
+    for first, arrays in prefetched(casted, stop=cancelled):
+        for index, array in enumerate(arrays):
+            start = first * (array.nbytes // array.shape[0])
+            yield from iter_raw_chunks(index, array, start=start, chunk_bytes=settings.chunk_bytes)

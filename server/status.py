@@ -1,0 +1,91 @@
+"""Where errors become gRPC status codes: every servicer method is wrapped by `status`,
+and nothing else aborts a call.
+
+pergrad's own errors carry their code (`pergrad.server.errors`); malformed tensors and
+options are INVALID_ARGUMENT; anything else is a bug, logged with its traceback and
+answered INTERNAL without one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.metrics import ServerMetrics
+from pergrad.wire.casting import CastError
+from pergrad.wire.catalogue import OptionError
+from pergrad.wire.codec import CodecError
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """A request whose bytes are not a valid protobuf message of its type."""
+
+    error: str
+
+
+def parser(message_class: type) -> Callable[[bytes], Any]:
+    """Deserializer that hands malformed bytes to the handler instead of failing in gRPC,
+    which would answer INTERNAL; the handler answers INVALID_ARGUMENT."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as err:
+            return MalformedRequest(f"{message_class.__name__}: not a valid message: {err}")
+
+    return parse
+
+
+def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics) -> None:
+    if isinstance(err, PergradServerError):
+        code, message = grpc.StatusCode[err.code], str(err)
+    elif isinstance(err, CodecError | OptionError | CastError):
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    else:
+        _LOGGER.exception("internal error")
+        code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+    metrics.request_rejected(code)
+    context.abort(code, message)
+
+
+def _well_formed(request: Any) -> Any:
+    """The request, or each request of a stream, refused if its bytes did not parse."""
+    if isinstance(request, MalformedRequest):
+        raise InvalidArgument(request.error)
+    if isinstance(request, Message):
+        return request
+    return (_well_formed(item) for item in request)
+
+
+def status(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Map pergrad, codec and option errors to their status codes, anything else to INTERNAL."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from method(self, _well_formed(request), context)
+            except Exception as err:
+                _abort(context, err, self.metrics)
+
+        return streaming
+
+    @functools.wraps(method)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, _well_formed(request), context)
+        except Exception as err:
+            _abort(context, err, self.metrics)
+
+    return unary

@@ -1,0 +1,186 @@
+"""GradientsRequests and ResultHeaders <-> the catalogue's terms.
+
+The client builds requests with `gradients_request`; the server reads them back with
+`parse_request`, which checks every option by the same catalogue. Results travel as a
+header listing `ResultTensor`s (field, variable, dtype, shape) and then chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.catalogue import CATALOGUE, Catalogue, Option, OptionError, Reduction
+from pergrad.wire.codec import CodecError, decode_tensor, encode_tensor, wire_dtype
+from pergrad.wire.results import GradientResult
+
+_REQUEST_FIELDS = pb.GradientsRequest.DESCRIPTOR.fields_by_name
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a GradientsRequest asks for, its options checked and defaults filled in."""
+
+    reduction: Reduction
+    variables: list[str] | None
+    options: dict[str, Any]
+
+
+def _enum_number(option: Option, choice: str) -> int:
+    values = _REQUEST_FIELDS[option.field].enum_type.values_by_name
+    return values[option.enum_prefix + choice.upper()].number
+
+
+def _enum_choice(option: Option, number: int) -> str:
+    values = _REQUEST_FIELDS[option.field].enum_type.values_by_number
+    if number not in values:
+        raise OptionError(f"{option.field}: unknown value {number}")
+    return values[number].name.removeprefix(option.enum_prefix).lower()
+
+
+def _set_option(request: pb.GradientsRequest, option: Option, value: Any) -> None:
+    if option.kind == "tensors":
+        for name, array in value.items():
+            request.reference[name].CopyFrom(encode_tensor(np.asarray(array, np.float32)))
+    elif option.kind == "choice":
+        setattr(request, option.field, _enum_number(option, value))
+    else:
+        setattr(request, option.field, value)
+
+
+def gradients_request(
+    model: str,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    reduction: Reduction,
+    options: Mapping[str, Any],
+    variables: Sequence[str] | None = None,
+    model_version: int = 0,
+    request_id: int = 0,
+) -> pb.GradientsRequest:
+    """A request for `reduction` with checked `options` (None or a default: not sent)."""
+    request = pb.GradientsRequest(
+        model=model,
+        model_version=model_version,
+        inputs=encode_tensor(x),
+        labels=encode_tensor(y),
+        request_id=request_id,
+        reduction=pb.Reduction.Value(reduction.enum),
+        variables=list(variables or ()),
+    )
+    for option in reduction.options:
+        value = options.get(option.name)
+        if value is not None and not (value == option.default and not option.required):
+            _set_option(request, option, value)
+    return request
+
+
+def _is_set(request: pb.GradientsRequest, field: str) -> bool:
+    descriptor = _REQUEST_FIELDS[field]
+    if descriptor.has_presence:
+        return request.HasField(field)
+    return bool(getattr(request, field))
+
+
+def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
+    value = getattr(request, option.field)
+    if option.kind == "tensors":
+        return {
+            name: decode_tensor(tensor, what=f"{option.name}[{name!r}]")
+            for name, tensor in value.items()
+        }
+    if option.kind == "choice":
+        return _enum_choice(option, value)
+    return value
+
+
+def parse_request(request: pb.GradientsRequest, catalogue: Catalogue = CATALOGUE) -> Asked:
+    """The reduction, variables and checked options of `request` (OptionError or
+    CodecError say what is wrong)."""
+    if request.reduction not in pb.Reduction.values():
+        known = ", ".join(catalogue.names)
+        raise OptionError(f"reduction: unknown value {request.reduction}; known: {known}")
+    reduction = catalogue.by_enum(pb.Reduction.Name(request.reduction))
+    raw = {
+        option.name: _get_option(request, option)
+        for option in catalogue.options()
+        if _is_set(request, option.field)
+    }
+    options = catalogue.check_options(reduction, raw)
+    return Asked(reduction, list(request.variables) or None, options)
+
+
+def result_header(
+    *,
+    model: str,
+    model_version: int,
+    batch_size: int,
+    server: str,
+    outputs: Sequence[tuple[str, str, Sequence[int], np.dtype]],
+) -> pb.ResultHeader:
+    """The header announcing `outputs`: (field, variable or "", shape, dtype) each."""
+    return pb.ResultHeader(
+        model=model,
+        model_version=model_version,
+        batch_size=batch_size,
+        server=server,
+        outputs=[
+            pb.ResultTensor(
+                field=field,
+                tensor=tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=shape),
+            )
+            for field, name, shape, dtype in outputs
+        ],
+    )
+
+
+def result_arrays(result: GradientResult) -> list[tuple[str, str, np.ndarray]]:
+    """(field, variable, array) of every tensor `result` holds: losses, then its outputs."""
+    tensors = [("losses", "", np.asarray(result.losses))]
+    for field, value in result.outputs.items():
+        if isinstance(value, Mapping):
+            tensors += [(field, name, np.asarray(array)) for name, array in value.items()]
+        else:
+            tensors.append((field, "", np.asarray(value)))
+    return tensors
+
+
+def result_from_arrays(
+    header: pb.ResultHeader, arrays: Sequence[np.ndarray], catalogue: Catalogue = CATALOGUE
+) -> GradientResult:
+    """The result a header and its filled tensors make; CodecError for an output field
+    this version of pergrad does not know."""
+    outputs: dict[str, Any] = {}
+    losses = None
+    for spec, array in zip(header.outputs, arrays, strict=True):
+        if spec.field == "losses":
+            losses = array
+            continue
+        try:
+            output = catalogue.output(spec.field)
+        except KeyError:
+            raise CodecError(
+                f"server sent output field {spec.field!r}, unknown to this client; upgrade it"
+            ) from None
+        if output.per_variable:
+            outputs.setdefault(spec.field, {})[spec.tensor.name] = array
+        elif output.rows == "count":
+            outputs[spec.field] = int(array)
+        else:
+            outputs[spec.field] = array
+    if losses is None:
+        raise CodecError("server sent a result without losses")
+    return GradientResult(
+        losses,
+        model_version=header.model_version,
+        model=header.model,
+        server=header.server,
+        catalogue=catalogue,
+        **outputs,
+    )

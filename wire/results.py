@@ -1,0 +1,166 @@
+"""A batch's results in numpy terms, by the catalogue: `GradientResult`, the outputs a
+request implies (names, shapes), and one result from the results of its micro-batches.
+
+numpy only: the in-process engine returns these, the client receives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pergrad.wire.catalogue import CATALOGUE, LOSSES, Catalogue, Output, Reduction
+
+
+class GradientResult:
+    """Per-example results of one batch; which outputs are set depends on the reduction.
+
+    Attributes:
+        losses: per-example loss, [B] (always).
+        model_version: the weights version every tensor was computed with.
+        model: the model's name. server: the replica(s) that computed it.
+        outputs: {field: value} of the reduction's outputs; each is also an attribute.
+            Per-variable fields map variable names to arrays ({} when the reduction has
+            none), counts are ints, other fields arrays (None when absent):
+            gradients {var: [B, *shape]} ("none"); norms [B] and variable_norms {var: [B]}
+            ("norms", norms also "clipped_sum"); clipped_sum {var: shape} and num_clipped
+            ("clipped_sum"); sum and sum_squares {var: shape} ("moments"); dots [B, K]
+            ("dot"); projections [B, dim] ("project"). `pergrad.wire.catalogue` and the
+            proto's Reduction comment define each.
+    """
+
+    def __init__(
+        self,
+        losses: np.ndarray,
+        *,
+        model_version: int = 0,
+        model: str = "",
+        server: str = "",
+        catalogue: Catalogue = CATALOGUE,
+        **outputs: Any,
+    ) -> None:
+        self.__dict__.update(
+            losses=losses,
+            model_version=model_version,
+            model=model,
+            server=server,
+            outputs={},
+            _catalogue=catalogue,
+        )
+        for name, value in outputs.items():
+            setattr(self, name, value)
+
+    def _output(self, name: str) -> Output:
+        if name.startswith("_") or name == LOSSES.field:
+            raise AttributeError(name)
+        try:
+            return self.__dict__["_catalogue"].output(name)
+        except KeyError:
+            raise AttributeError(f"GradientResult has no output {name!r}") from None
+
+    def __getattr__(self, name: str) -> Any:
+        output = self._output(name)
+        return self.__dict__["outputs"].get(name, {} if output.per_variable else None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:
+            self.__dict__[name] = value
+            return
+        self._output(name)
+        self.__dict__["outputs"][name] = value
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *(o.field for o in self._catalogue.outputs())})
+
+    def __repr__(self) -> str:
+        fields = ", ".join(self.outputs)
+        return f"GradientResult(model={self.model!r}, batch_size={self.batch_size}, {fields})"
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.losses.shape[0])
+
+    def gradient_norms(self) -> np.ndarray:
+        """Per-example L2 norms computed here from the full `gradients`, [B]."""
+        squares = np.zeros(self.batch_size, dtype=np.float64)
+        for grad in self.gradients.values():
+            flat = grad.reshape(self.batch_size, -1).astype(np.float64, copy=False)
+            squares += np.einsum("bp,bp->b", flat, flat)
+        return np.sqrt(squares)
+
+
+@dataclass(frozen=True)
+class ExpectedOutput:
+    """One tensor a request's result holds: its field, variable ("" if none), shape and
+    dtype token ("loss", "grad" or a numpy dtype name; see `Output`)."""
+
+    output: Output
+    variable: str
+    shape: tuple[int, ...]
+
+    @property
+    def field(self) -> str:
+        return self.output.field
+
+
+def expected_outputs(
+    reduction: Reduction,
+    *,
+    batch: int,
+    variables: Sequence[tuple[str, tuple[int, ...]]],
+    options: Mapping[str, Any],
+) -> list[ExpectedOutput]:
+    """Every tensor the result of `reduction` over `variables` (name, shape) holds, in the
+    order a result lists them: losses, then each output, per variable in model order."""
+    expected = []
+    for output in (LOSSES, *reduction.outputs):
+        targets = variables if output.per_variable else [("", ())]
+        for name, shape in targets:
+            dims = [_size(token, batch, shape, options) for token in output.shape]
+            expected.append(ExpectedOutput(output, name, tuple(d for dim in dims for d in dim)))
+    return expected
+
+
+def _size(
+    token: str, batch: int, shape: tuple[int, ...], options: Mapping[str, Any]
+) -> tuple[int, ...]:
+    if token == "B":
+        return (batch,)
+    if token == "var":
+        return tuple(shape)
+    if token == "K":
+        references = list((options.get("reference") or {}).values())
+        return (int(np.shape(references[0])[0]) if references else 0,)
+    return (int(options[token]),)
+
+
+def merge(parts: Sequence[GradientResult]) -> GradientResult:
+    """The result of a batch from its micro-batches' results, in order: per-example rows
+    concatenated, sums and counts added (`Output.rows`)."""
+    first = parts[0]
+    outputs: dict[str, Any] = {}
+    for field, value in first.outputs.items():
+        output = first._catalogue.output(field)
+        values = [p.outputs[field] for p in parts]
+        if output.per_variable:
+            outputs[field] = {k: _combine(output, [v[k] for v in values]) for k in value}
+        else:
+            outputs[field] = _combine(output, values)
+    servers = ",".join(dict.fromkeys(p.server for p in parts))
+    return GradientResult(
+        np.concatenate([p.losses for p in parts]),
+        model_version=first.model_version,
+        model=first.model,
+        server=servers,
+        catalogue=first._catalogue,
+        **outputs,
+    )
+
+
+def _combine(output: Output, values: list[Any]) -> Any:
+    if output.rows == "example":
+        return np.concatenate(values)
+    return sum(values[1:], values[0])
