@@ -20,19 +20,41 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pergrad.client._channels import open_channel
-from pergrad.client._credentials import Security
+
+@dataclass(frozen=True)
+class Tls:
+    """PEM files of a TLS probe: the CA to trust, and a client pair for mutual TLS."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def channel(self, target: str) -> grpc.Channel:
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key),
+            certificate_chain=read(self.cert),
+        )
+        name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(target, credentials, options=name)
 
 
 def check(
-    target: str, *, service: str = "", timeout_s: float = 3.0, security: Security | None = None
+    target: str, *, service: str = "", timeout_s: float = 3.0, tls: Tls | None = None
 ) -> bool:
     """Whether `target` answers SERVING for `service` within `timeout_s`."""
-    with open_channel(target, security=security) as channel:
+    channel = tls.channel(target) if tls else grpc.insecure_channel(target)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -45,22 +67,16 @@ def _env(name: str) -> str | None:
     return os.environ.get(f"PERGRAD_{name}") or None
 
 
-def _security(args: argparse.Namespace) -> Security:
+def _tls(args: argparse.Namespace) -> Tls | None:
     """TLS as the server is configured, from the flags or else the server's variables."""
     server_cert, server_key = _env("TLS_CERT"), _env("TLS_KEY")
     ca = args.tls_ca or _env("TLS_CA") or server_cert
     cert, key = args.tls_cert, args.tls_key
     if cert is None and key is None and _env("TLS_CLIENT_CA"):
         cert, key = server_cert, server_key
-    if ca is None and cert is None:
-        return Security()
-    return Security.of(
-        tls=True,
-        root_certificates=ca,
-        certificate_chain=cert,
-        private_key=key,
-        server_name=args.server_name or _env("TLS_SERVER_NAME"),
-    )
+    if ca is None:
+        return None
+    return Tls(ca, cert, key, args.server_name or _env("TLS_SERVER_NAME"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,11 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--server-name", help="name in the server's certificate")
     args = parser.parse_args(argv)
     try:
-        security = _security(args)
+        serving = check(args.target, service=args.service, timeout_s=args.timeout, tls=_tls(args))
     except (OSError, ValueError) as err:
         print(f"NOT SERVING: {err}", file=sys.stderr)
         return 1
-    serving = check(args.target, service=args.service, timeout_s=args.timeout, security=security)
     print("SERVING" if serving else "NOT SERVING", file=sys.stderr)
     return 0 if serving else 1
 

@@ -18,7 +18,8 @@ from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
 from pergrad.server.interceptors import MetricsInterceptor
-from pergrad.server.metrics import MetricsEndpoint, ServerMetrics, serve_metrics
+from pergrad.server.metrics import ServerMetrics
+from pergrad.server.metrics_http import MetricsEndpoint, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.keras_file import ModelLoadError
 from pergrad.server.models.registry import ModelRegistry, load_model

@@ -3,22 +3,19 @@
 Several servers may run in one process (the tests start many), so nothing is registered in
 prometheus-client's global registry: each `ServerMetrics` owns a `CollectorRegistry` with
 the process collectors, the gRPC metrics (go-grpc-prometheus names, filled by
-`pergrad.server.interceptors`), pergrad's own `pergrad_*` metrics and, when TensorFlow sees
-a GPU, GPU memory. `serve_metrics` exposes a registry over HTTP on a port of its own.
+`pergrad.server.interceptors`), pergrad's own `pergrad_*` metrics (per request, filled by
+`pergrad.server.tracking`) and, when TensorFlow sees a GPU, GPU memory.
+`pergrad.server.metrics_http` exposes a registry over HTTP on a port of its own.
 
 Other modules only call methods of `ServerMetrics`; none creates a metric.
 """
 
 from __future__ import annotations
 
-import logging
-import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, NamedTuple
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import grpc
 from prometheus_client import (
@@ -29,16 +26,11 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
-    make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.wire.catalogue import CATALOGUE, NONE
-
-_LOGGER = logging.getLogger(__name__)
+from pergrad.wire.catalogue import NONE
 
 # Unary calls take milliseconds to minutes (a large batch of a large model).
 LATENCY_BUCKETS_S = (
@@ -250,24 +242,44 @@ class ServerMetrics:
         self._handled.labels(*labels, code.name).inc()
         self._handling.labels(*labels).observe(time.perf_counter() - arrived)
 
-    # pergrad requests, for pergrad.server.service
+    # pergrad requests, for pergrad.server.tracking
 
-    def gradients(
-        self,
-        request: pb.GradientsRequest,
-        responses: Iterator[pb.GradientsResponse],
-        context: grpc.ServicerContext,
-    ) -> Iterator[pb.GradientsResponse]:
-        """The `responses` to `request`, passed through while they are measured.
-
-        Queue time runs from the call's arrival (its first request) or from now (a later
-        request of a stream); compute is the time the handler waits for each response
-        message, serialize the time gRPC holds each one before asking for the next.
-        """
+    def take_arrival(self) -> float | None:
+        """When the current call reached the server (set by `rpc_started` on this
+        thread), once: a later request of a stream gets None."""
         arrived = getattr(self._arrival, "time", None)
         self._arrival.time = None
-        tracker = _GradientsTracker(self, _reduction(request), arrived or time.perf_counter())
-        return tracker.run(responses, context)
+        return arrived
+
+    def request_started(self, queue_s: float) -> None:
+        self._queue.observe(queue_s)
+        self._requests_in_flight.inc()
+
+    def request_ended(self) -> None:
+        self._requests_in_flight.dec()
+
+    def examples_started(self, count: int) -> None:
+        self._examples_in_flight.inc(count)
+
+    def response_sent(self, model: str, nbytes: int) -> None:
+        self._response_bytes.labels(model).inc(nbytes)
+
+    def examples_ended(
+        self,
+        model: str,
+        reduction: str,
+        count: int,
+        *,
+        compute_s: float,
+        serialize_s: float,
+        complete: bool,
+    ) -> None:
+        """A request's `count` examples left the server: all sent if `complete`."""
+        self._examples_in_flight.dec(count)
+        self._compute.labels(model, reduction).observe(compute_s)
+        self._serialize.labels(model, reduction).observe(serialize_s)
+        if complete:
+            self._examples.labels(model, reduction).inc(count)
 
     def request_rejected(self, code: grpc.StatusCode) -> None:
         self._rejected.labels(code.name).inc()
@@ -286,136 +298,10 @@ class ServerMetrics:
         """The version `model` serves now."""
         self._weights_version.labels(model).set(version)
 
-    def weights_update(self, model: str) -> WeightsUpdate:
-        """Context for one SetWeights of `model`: counts a failure if the block raises."""
-        return WeightsUpdate(self, model)
+    def weights_updated(self, model: str, version: int) -> None:
+        self._weights_updates.labels(model).inc()
+        self.weights_version(model, version)
 
-
-@dataclass
-class WeightsUpdate:
-    """One SetWeights call; `succeeded(version)` inside the block counts it as an update."""
-
-    metrics: ServerMetrics
-    model: str
-
-    def __enter__(self) -> WeightsUpdate:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
-        if kind is not None:
-            self.metrics._weights_failures.labels(self.model).inc()
-
-    def succeeded(self, version: int) -> None:
-        self.metrics._weights_updates.labels(self.model).inc()
-        self.metrics.weights_version(self.model, version)
-
-
-def _reduction(request: pb.GradientsRequest) -> str:
-    """The reduction label: "none", "norms", ... as the catalogue names them."""
-    try:
-        return CATALOGUE.by_enum(pb.Reduction.Name(request.reduction)).name
-    except ValueError:  # a value newer than this server's wire contract
-        return "unknown"
-
-
-class _GradientsTracker:
-    """Measures one gradients request while its response messages pass through."""
-
-    def __init__(self, metrics: ServerMetrics, reduction: str, arrived: float) -> None:
-        self._m = metrics
-        self._reduction = reduction
-        self._arrived = arrived
-        self._compute_s = 0.0
-        self._serialize_s = 0.0
-        self._header: pb.ResultHeader | None = None
-
-    def run(
-        self, responses: Iterator[pb.GradientsResponse], context: grpc.ServicerContext
-    ) -> Iterator[pb.GradientsResponse]:
-        m = self._m
-        m._queue.observe(time.perf_counter() - self._arrived)
-        m._requests_in_flight.inc()
-        complete = False
-        try:
-            for message in self._timed(responses):
-                self._count(message)
-                started = time.perf_counter()
-                yield message
-                self._serialize_s += time.perf_counter() - started
-            complete = context.is_active()
-        finally:
-            m._requests_in_flight.dec()
-            self._finish(complete)
-
-    def _timed(self, responses: Iterator[pb.GradientsResponse]) -> Iterator[pb.GradientsResponse]:
-        while True:
-            started = time.perf_counter()
-            message = next(responses, None)
-            self._compute_s += time.perf_counter() - started
-            if message is None:
-                return
-            yield message
-
-    def _count(self, message: pb.GradientsResponse | bytes) -> None:
-        """Response bytes; a pre-encoded chunk message (`pergrad.wire.chunks`) is bytes."""
-        if isinstance(message, bytes):
-            size = len(message)
-        else:
-            if self._header is None and message.HasField("header"):
-                self._header = message.header
-                self._m._examples_in_flight.inc(self._header.batch_size)
-            size = message.ByteSize()
-        if self._header is not None:
-            self._m._response_bytes.labels(self._header.model).inc(size)
-
-    def _finish(self, complete: bool) -> None:
-        header = self._header
-        if header is None:  # refused before any result: only the queue time is known
-            return
-        m, labels = self._m, (header.model, self._reduction)
-        m._examples_in_flight.dec(header.batch_size)
-        m._compute.labels(*labels).observe(self._compute_s)
-        m._serialize.labels(*labels).observe(self._serialize_s)
-        if complete:
-            m._examples.labels(*labels).inc(header.batch_size)
-
-
-@dataclass
-class MetricsEndpoint:
-    """The HTTP server that exposes one registry at /metrics."""
-
-    httpd: WSGIServer
-    thread: threading.Thread
-
-    @property
-    def port(self) -> int:
-        return self.httpd.server_port
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds would drown the server's log."""
-
-
-def serve_metrics(metrics: ServerMetrics, host: str, port: int) -> MetricsEndpoint:
-    """Serve `metrics` over HTTP at http://host:port/metrics (port 0 picks a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-    try:
-        httpd = make_server(
-            host, port, make_wsgi_app(metrics.registry), server_class, _QuietHandler
-        )
-    except OSError as err:
-        raise OSError(f"cannot bind the metrics endpoint {host}:{port}: {err}") from err
-    # A short poll interval lets close() return at once instead of after up to 0.5 s.
-    thread = threading.Thread(
-        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics", daemon=True
-    )
-    thread.start()
-    _LOGGER.debug("metrics on %s:%d", host, httpd.server_port)
-    return MetricsEndpoint(httpd, thread)
+    def weights_update_failed(self, model: str) -> None:
+        """A SetWeights for a served model that changed nothing."""
+        self._weights_failures.labels(model).inc()

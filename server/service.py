@@ -16,8 +16,9 @@ from pergrad.server.errors import InvalidArgument, PergradServerError
 from pergrad.server.gradients import Settings, prepare, responses
 from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
-from pergrad.server.models.registry import ModelRegistry
+from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import parser, status
+from pergrad.server.tracking import tracked
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
@@ -96,28 +97,38 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             raise InvalidArgument("SetWeights: the first message must be a WeightsHeader")
         header = first.header
         served = self._registry.get(header.model)
-        with self.metrics.weights_update(served.name) as update:
-            served.weights.check(
-                [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
-            )
-            assembler = TensorAssembler(header.tensors)
-            for message in request_iterator:
-                if not message.HasField("chunk"):
-                    raise InvalidArgument("SetWeights: one header first, then only chunks")
-                assembler.add(message.chunk)
-            arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
-            version = served.weights.replace(
-                arrays, expected_version=header.model_version, new_version=header.new_version
-            )
-            update.succeeded(version)
+        try:
+            version = self._replace_weights(served, header, request_iterator)
+        except Exception:
+            self.metrics.weights_update_failed(served.name)
+            raise
+        self.metrics.weights_updated(served.name, version)
         _LOGGER.info("model %s: weights version %d", served.name, version)
         return pb.SetWeightsResponse(model=served.name, model_version=version)
+
+    @staticmethod
+    def _replace_weights(
+        served: ServedModel, header: pb.WeightsHeader, chunks: Iterator[pb.WeightsMessage]
+    ) -> int:
+        """Check the header, fill the tensors from the chunks, swap them in: the version."""
+        served.weights.check(
+            [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
+        )
+        assembler = TensorAssembler(header.tensors)
+        for message in chunks:
+            if not message.HasField("chunk"):
+                raise InvalidArgument("SetWeights: one header first, then only chunks")
+            assembler.add(message.chunk)
+        arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
+        return served.weights.replace(
+            arrays, expected_version=header.model_version, new_version=header.new_version
+        )
 
     @status
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse]:
-        yield from self.metrics.gradients(request, self._gradients(request, context), context)
+        yield from tracked(self.metrics, request, self._gradients(request, context), context)
 
     @status
     def StreamPerExampleGradients(
@@ -126,7 +137,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         for request in request_iterator:
             try:
                 messages = self._gradients(request, context)
-                yield from self.metrics.gradients(request, messages, context)
+                yield from tracked(self.metrics, request, messages, context)
             except PergradServerError as err:
                 raise type(err)(f"request {request.request_id}: {err}") from err
 

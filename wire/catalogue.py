@@ -142,7 +142,7 @@ class Output:
 @dataclass(frozen=True)
 class Reduction:
     name: str
-    enum: str  # its value name in the proto's Reduction enum
+    number: int  # its value in the proto's Reduction enum (REDUCTION_<NAME in capitals>)
     help: str
     options: tuple[Option, ...] = ()
     outputs: tuple[Output, ...] = ()
@@ -182,7 +182,7 @@ _NOISE_HELP = (
 DEFAULT_REDUCTIONS = (
     Reduction(
         NONE,
-        "REDUCTION_NONE",
+        0,
         "full per-example gradients",
         options=(
             Option(
@@ -201,7 +201,7 @@ DEFAULT_REDUCTIONS = (
     ),
     Reduction(
         "norms",
-        "REDUCTION_NORMS",
+        1,
         "per-example L2 norms of the gradient, whole and per variable",
         outputs=(
             Output("norms", False, "example", ("B",), "||g_b|| over all selected variables"),
@@ -210,7 +210,7 @@ DEFAULT_REDUCTIONS = (
     ),
     Reduction(
         "clipped_sum",
-        "REDUCTION_CLIPPED_SUM",
+        2,
         "one DP-SGD step: the sum of per-example gradients clipped to max_norm, plus noise",
         options=(
             Option(
@@ -246,7 +246,7 @@ DEFAULT_REDUCTIONS = (
     ),
     Reduction(
         "moments",
-        "REDUCTION_MOMENTS",
+        3,
         "sums of g and of g^2 over the examples (diagonal Fisher, variance)",
         outputs=(
             Output("sum", True, "sum", ("var",), "sum_b g_bv"),
@@ -255,7 +255,7 @@ DEFAULT_REDUCTIONS = (
     ),
     Reduction(
         "dot",
-        "REDUCTION_DOT",
+        4,
         "dot products with K reference gradients (TracIn)",
         options=(
             Option(
@@ -269,7 +269,7 @@ DEFAULT_REDUCTIONS = (
     ),
     Reduction(
         "project",
-        "REDUCTION_PROJECT",
+        5,
         "seeded random projections of the gradients (TRAK-style features)",
         options=(
             Option(
@@ -328,11 +328,12 @@ class Catalogue:
             hints = [f"{name} applies to {', '.join(o)}" for name, o in owners.items() if o]
             raise OptionError("; ".join([str(err), *hints])) from None
 
-    def by_enum(self, enum: str) -> Reduction:
+    def by_number(self, number: int) -> Reduction:
         for reduction in self.reductions.values():
-            if reduction.enum == enum:
+            if reduction.number == number:
                 return reduction
-        raise OptionError(f"reduction: {enum} is unknown to this version of pergrad")
+        known = ", ".join(f"{r.number} ({r.name})" for r in self.reductions.values())
+        raise OptionError(f"reduction: unknown value {number}; known: {known}")
 
     def output(self, field_name: str) -> Output:
         """The output named `field_name` (the same name means the same thing everywhere)."""

@@ -71,7 +71,7 @@ def gradients_request(
         inputs=encode_tensor(x),
         labels=encode_tensor(y),
         request_id=request_id,
-        reduction=pb.Reduction.Value(reduction.enum),
+        reduction=reduction.number,
         variables=list(variables or ()),
     )
     for option in reduction.options:
@@ -103,13 +103,12 @@ def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
 def parse_request(request: pb.GradientsRequest, catalogue: Catalogue = CATALOGUE) -> Asked:
     """The reduction, variables and checked options of `request` (OptionError or
     CodecError say what is wrong)."""
-    if request.reduction not in pb.Reduction.values():
-        known = ", ".join(catalogue.names)
-        raise OptionError(f"reduction: unknown value {request.reduction}; known: {known}")
-    reduction = catalogue.by_enum(pb.Reduction.Name(request.reduction))
+    reduction = catalogue.by_number(request.reduction)
+    own = {option.field for option in reduction.options}
+    others = [o for o in catalogue.options() if o.field not in own]
     raw = {
         option.name: _get_option(request, option)
-        for option in catalogue.options()
+        for option in [*reduction.options, *others]
         if _is_set(request, option.field)
     }
     options = catalogue.check_options(reduction, raw)
