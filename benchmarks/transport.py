@@ -124,13 +124,13 @@ def serve_replay(batch: int) -> None:
     grads = list(result.gradients.values())
     engine = served.engine
 
-    def replay(x, y, *, variables=None, trainable=None, buffer_sets=1, block_bytes=16 << 20):
+    def replay(batch, *, variables=None, trainable=None, buffer_sets=1, block_bytes=16 << 20):
         block = max(1, block_bytes // (MLP_ROW_BYTES - 4))
-        for lo in range(0, len(x), block):
-            hi = min(lo + block, len(x))
+        for lo in range(0, batch.size, block):
+            hi = min(lo + block, batch.size)
             yield SliceResult(lo, hi, result.losses[lo:hi], [g[lo:hi] for g in grads])
 
-    engine.iter_slices = replay
+    engine.blocks = replay
     running = start(Config(host="127.0.0.1", port=0, metrics_port=0), ModelRegistry([served]))
     print(f"ready on 127.0.0.1:{running.port}", file=sys.stderr, flush=True)
     running.server.wait_for_termination()

@@ -29,6 +29,8 @@ class Call:
     model_version: int = 0
     upcast: bool = False
     timeout: float | None = None
+    # The identity of the pinned version's weights, when the client has seen it.
+    weights_id: str = ""
 
     @classmethod
     def of(
@@ -38,6 +40,7 @@ class Call:
         reduction: str = "none",
         variables: Sequence[str] | None = None,
         model_version: int = 0,
+        weights_id: str = "",
         upcast: bool = False,
         timeout: float | None = None,
         **options: Any,
@@ -48,7 +51,7 @@ class Call:
         except OptionError as err:
             raise invalid(str(err)) from None
         names = tuple(variables) if variables is not None else None
-        return cls(model, entry, checked, names, model_version, upcast, timeout)
+        return cls(model, entry, checked, names, model_version, upcast, timeout, weights_id)
 
     def part(self, index: int) -> Call:
         """The call for micro-batch `index` of a batch: options applied once per batch
@@ -78,6 +81,7 @@ class Call:
             options=self.options,
             variables=self.variables,
             model_version=self.model_version,
+            weights_id=self.weights_id,
             request_id=request_id,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +89,8 @@ class GradientClient:
         self._retries = retries
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pergrad-client")
         self._infos: dict[str, ModelInfo] = {}
+        # (model, version) -> weights_id, as seen: a pinned version is pinned by content.
+        self._ids: dict[tuple[str, int], str] = {}
         self._replica_channels: list[grpc.Channel] = []
 
     def __enter__(self) -> GradientClient:
@@ -118,7 +121,20 @@ class GradientClient:
         )
         info = ModelInfo.from_proto(reply)
         self._infos[model] = info
+        self._seen(model, info.model_version, info.weights_id)
         return info
+
+    def _seen(self, model: str, version: int, weights_id: str) -> None:
+        if weights_id:
+            self._ids[model, version] = weights_id
+
+    def _call(self, model: str, **call: Any) -> Call:
+        """The call's options checked, its pinned version pinned by content if known."""
+        checked = Call.of(model, **call)
+        known = self._ids.get((model, checked.model_version), "")
+        if checked.weights_id or not checked.model_version or not known:
+            return checked
+        return dataclasses.replace(checked, weights_id=known)
 
     def _info(self, model: str) -> ModelInfo:
         return self._infos.get(model) or self.model_info(model)
@@ -142,13 +158,17 @@ class GradientClient:
                 {variable: [K, *shape]}) or "project" (dim, seed, kind="rademacher" or
                 "gaussian"); `pergrad.wire.catalogue` holds every option and output.
             variables: restrict any reduction to these variables.
-            model_version: pin the weights: FAILED_PRECONDITION unless it is current.
+            model_version: pin the weights: FAILED_PRECONDITION unless it is current (and,
+                when this client has seen that version, unless they are the same weights:
+                a server restart starts versions again at 1).
+            weights_id: pin the weights by content (`result.weights_id`,
+                `model_info().weights_id`), whatever their version.
             wire_dtype: ("none") "float16" or "bfloat16" halves the bytes of full
                 gradients; they arrive in that dtype, or as float32 with `upcast=True`.
             out: a previous result of the same call shape whose arrays are refilled
                 in place (no fresh allocation of a large result in a loop).
         """
-        request = Call.of(model, timeout=timeout or self._timeout, **call)
+        request = self._call(model, timeout=timeout or self._timeout, **call)
         x, y = np.asarray(x), np.asarray(y)
         if self._micro_batch and len(x) > self._micro_batch:
             if out is not None:
@@ -156,6 +176,7 @@ class GradientClient:
             result = micro_batched(self._compute, self._pool, request, x, y, self._micro_batch)
         else:
             result = self._compute(request, x, y, out=out)
+        self._seen(model, result.model_version, result.weights_id)
         return _upcast(result) if request.upcast else result
 
     def _compute(
@@ -191,7 +212,7 @@ class GradientClient:
                 self.per_example_gradients, model, timeout=timeout, **call
             )
             return spread(self._pool, compute, batches, self._max_in_flight)
-        request = Call.of(model, timeout=timeout, **call)
+        request = self._call(model, timeout=timeout, **call)
         results = pipelined(
             self._stream_call,
             self._info(model),
@@ -206,7 +227,9 @@ class GradientClient:
         self, model: str, *, timeout: float | None = None
     ) -> tuple[int, dict[str, np.ndarray]]:
         """(version, {variable: array}) of the model's current weights."""
-        return get_weights(self._stub, self._info(model), timeout or self._timeout)
+        header, arrays = get_weights(self._stub, self._info(model), timeout or self._timeout)
+        self._seen(model, header.model_version, header.weights_id)
+        return header.model_version, arrays
 
     def set_weights(
         self,
@@ -223,12 +246,15 @@ class GradientClient:
         each other. With several replicas they all get the same new version: one more
         than the highest any of them has. Arrays are cast to the variables' dtypes.
         """
-        return self._writer().set(
+        version, weights_id = self._writer().set(
             self._info(model),
             weights,
             expected_version=expected_version,
+            expected_id=self._ids.get((model, expected_version), "") if expected_version else "",
             timeout=timeout or self._timeout,
         )
+        self._seen(model, version, weights_id)
+        return version
 
     def _writer(self) -> WeightsWriter:
         """One stub per replica, for calls that must reach each of them."""

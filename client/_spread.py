@@ -47,8 +47,8 @@ def computed(
 
 
 def check_versions(parts: list[GradientResult]) -> None:
-    """Refuse a result assembled from different weights versions."""
-    if len({p.model_version for p in parts}) > 1:
+    """Refuse a result assembled from different weights."""
+    if len({(p.model_version, p.weights_id) for p in parts}) > 1:
         seen = ", ".join(sorted({f"{p.server or '?'} v{p.model_version}" for p in parts}))
         raise PergradError(
             grpc.StatusCode.FAILED_PRECONDITION,

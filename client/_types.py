@@ -74,6 +74,7 @@ class ModelInfo:
     loss: str
     num_classes: int
     server: str = ""
+    weights_id: str = ""
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
@@ -86,6 +87,7 @@ class ModelInfo:
             loss=info.loss,
             num_classes=info.num_classes,
             server=info.server,
+            weights_id=info.weights_id,
         )
 
     @property

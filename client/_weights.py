@@ -17,8 +17,8 @@ from pergrad.wire.codec import CodecError, TensorAssembler, iter_chunks, numpy_d
 
 def get_weights(
     stub: pb_grpc.GradientServiceStub, info: ModelInfo, timeout: float | None
-) -> tuple[int, dict[str, np.ndarray]]:
-    """(version, {variable: array}); the header must list the model's variables."""
+) -> tuple[pb.WeightsHeader, dict[str, np.ndarray]]:
+    """(header, {variable: array}); the header must list the model's variables."""
     responses = stub.GetWeights(pb.GetWeightsRequest(model=info.name), timeout=timeout)
     try:
         header = next(responses).header
@@ -32,24 +32,14 @@ def get_weights(
         arrays = assembler.arrays()
     except (CodecError, StopIteration, ValueError, MemoryError) as err:
         raise data_loss(f"weights of {info.name!r}: {err or type(err).__name__}") from None
-    return header.model_version, {
-        spec.name: array for spec, array in zip(header.tensors, arrays, strict=True)
-    }
+    return header, {spec.name: array for spec, array in zip(header.tensors, arrays, strict=True)}
 
 
 def _messages(
-    model: str,
-    arrays: Mapping[str, np.ndarray],
-    expected_version: int,
-    new_version: int,
-    chunk_bytes: int,
+    header: pb.WeightsHeader, arrays: Mapping[str, np.ndarray], chunk_bytes: int
 ) -> Iterator[pb.WeightsMessage]:
-    specs = [tensor_spec(name, array) for name, array in arrays.items()]
-    yield pb.WeightsMessage(
-        header=pb.WeightsHeader(
-            model=model, model_version=expected_version, new_version=new_version, tensors=specs
-        )
-    )
+    header.tensors.extend(tensor_spec(name, array) for name, array in arrays.items())
+    yield pb.WeightsMessage(header=header)
     for index, array in enumerate(arrays.values()):
         for chunk in iter_chunks(index, array, chunk_bytes=chunk_bytes):
             yield pb.WeightsMessage(chunk=chunk)
@@ -74,8 +64,10 @@ class WeightsWriter:
         weights: Mapping[str, Any],
         *,
         expected_version: int,
+        expected_id: str,
         timeout: float | None,
-    ) -> int:
+    ) -> tuple[int, str]:
+        """(version, weights_id) of the new weights, the same on every replica."""
         dtypes = {v.name: v.dtype for v in info.variables}
         arrays = {
             name: np.ascontiguousarray(value, dtype=dtypes.get(name))
@@ -89,15 +81,20 @@ class WeightsWriter:
             )
             new_version = max(versions) + 1
 
-        def send(stub: pb_grpc.GradientServiceStub) -> int:
-            messages = _messages(
-                info.name, arrays, expected_version, new_version, self._chunk_bytes
+        def send(stub: pb_grpc.GradientServiceStub) -> tuple[int, str]:
+            header = pb.WeightsHeader(
+                model=info.name,
+                model_version=expected_version,
+                weights_id=expected_id,
+                new_version=new_version,
             )
-            return stub.SetWeights(messages, timeout=timeout).model_version
+            messages = _messages(header, arrays, self._chunk_bytes)
+            reply = stub.SetWeights(messages, timeout=timeout)
+            return reply.model_version, reply.weights_id
 
         return max(self.on_all(send))
 
-    def on_all(self, fn: Callable[[pb_grpc.GradientServiceStub], int]) -> list[int]:
+    def on_all(self, fn: Callable[[pb_grpc.GradientServiceStub], Any]) -> list[Any]:
         """fn on every replica at once; an error names each replica that failed."""
         futures = [self._pool.submit(fn, stub) for stub in self._stubs]
         results, failures = [], []

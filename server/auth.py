@@ -83,7 +83,7 @@ def parse_tokens(text: str) -> Tokens:
 
 def load_tokens(path: Path) -> Tokens:
     """The tokens of the file at `path` (OSError if unreadable, TokenFileError if unusable)."""
-    return parse_tokens(path.read_text(encoding="utf-8"))
+    return parse_tokens(path.read_text(encoding="utf-8-sig"))  # a byte-order mark is no token
 
 
 def bearer_token(metadata: Any) -> str | None:

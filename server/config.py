@@ -38,6 +38,9 @@ class Config:
     max_inflight_bytes: int = 4 << 30
     chunk_bytes: int = 1 << 20
     workers: int = 8
+    max_queued_calls: int = 32
+    max_streams: int = 4
+    stall_timeout_s: float = 60.0
     grace_s: float = 10.0
     jit_compile: str = "auto"
     replica_name: str = f"{socket.gethostname()}/{os.getpid()}"
@@ -69,6 +72,8 @@ class Config:
             ("--max-inflight-bytes", self.max_inflight_bytes),
             ("--chunk-bytes", self.chunk_bytes),
             ("--workers", self.workers),
+            ("--max-queued-calls", self.max_queued_calls),
+            ("--max-streams", self.max_streams),
         ]:
             if value < 1:
                 raise ConfigError(f"{flag} must be positive, got {value}")
@@ -79,6 +84,13 @@ class Config:
         if not self.max_connection_age_s > 0:
             raise ConfigError(
                 f"--max-connection-age must be positive, got {self.max_connection_age_s}"
+            )
+        if not self.stall_timeout_s > 0:
+            raise ConfigError(f"--stall-timeout must be positive, got {self.stall_timeout_s}")
+        if self.max_streams >= self.workers:
+            raise ConfigError(
+                f"--max-streams ({self.max_streams}) must be below --workers ({self.workers}),"
+                " so that streams cannot hold every worker"
             )
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
@@ -155,6 +167,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-bytes", default=_env("CHUNK_BYTES", d.chunk_bytes))
     parser.add_argument("--workers", default=_env("WORKERS", d.workers), help="concurrent RPCs")
     parser.add_argument(
+        "--max-queued-calls",
+        default=_env("MAX_QUEUED_CALLS", d.max_queued_calls),
+        help="calls waiting for a worker; more are refused with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--max-streams",
+        default=_env("MAX_STREAMS", d.max_streams),
+        help="request streams (StreamPerExampleGradients, SetWeights) open at once; "
+        "below --workers",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        dest="stall_timeout_s",
+        default=_env("STALL_TIMEOUT", d.stall_timeout_s),
+        help="seconds a call may wait on its client (next request, reading responses) "
+        "before it is cancelled",
+    )
+    parser.add_argument(
         "--grace",
         dest="grace_s",
         default=_env("GRACE", d.grace_s),
@@ -225,6 +255,9 @@ def from_args(args: argparse.Namespace) -> Config:
         max_inflight_bytes=_number(args, "max_inflight_bytes", int),
         chunk_bytes=_number(args, "chunk_bytes", int),
         workers=_number(args, "workers", int),
+        max_queued_calls=_number(args, "max_queued_calls", int),
+        max_streams=_number(args, "max_streams", int),
+        stall_timeout_s=_number(args, "stall_timeout_s", float),
         grace_s=_number(args, "grace_s", float),
         jit_compile=str(args.jit_compile),
         replica_name=str(args.replica_name),

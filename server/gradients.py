@@ -73,7 +73,7 @@ def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Setting
     asked = parse_request(request)
     engine = served.engine
     batch = engine.batch(*_decode_batch(request, settings.max_batch), cast_dtypes=False)
-    snapshot = served.weights.get(request.model_version)
+    snapshot = served.weights.get(request.model_version, request.weights_id)
     selected = engine.select(asked.variables)
     expected = expected_outputs(
         asked.reduction,
@@ -122,6 +122,7 @@ def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeade
     return result_header(
         model=work.served.name,
         model_version=work.snapshot.version,
+        weights_id=work.snapshot.weights_id,
         batch_size=work.batch.size,
         server=settings.replica_name,
         outputs=outputs,

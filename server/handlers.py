@@ -42,7 +42,10 @@ def replaced(
     request_deserializer: Callable[[bytes], Any] | bool | None = True,
 ) -> grpc.RpcMethodHandler:
     """A handler of `handler`'s kind running `behavior`, with its serializers (or no
-    request deserializer with `request_deserializer=None`)."""
+    request deserializer with `request_deserializer=None`), on the same thread pool."""
+    pool = getattr(behavior_of(handler), "experimental_thread_pool", None)
+    if pool is not None and getattr(behavior, "experimental_thread_pool", None) is None:
+        behavior.experimental_thread_pool = pool
     deserializer = (
         handler.request_deserializer if request_deserializer is True else request_deserializer
     )

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
+from pergrad.server.guard import CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
 from pergrad.server.interceptors import MetricsInterceptor
@@ -29,6 +30,8 @@ from pergrad.server.tls import server_credentials
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
+# Reflection streams open at once, on a pool of their own (`CallGuard`).
+OPEN_STREAMS = 2
 
 
 def configure_devices() -> None:
@@ -48,6 +51,7 @@ class RunningServer:
     health: HealthService
     metrics: ServerMetrics
     metrics_endpoint: MetricsEndpoint
+    guard: CallGuard
 
     @property
     def metrics_port(self) -> int:
@@ -59,6 +63,7 @@ class RunningServer:
         up to `grace_s`, stop metrics."""
         self.health.stop_serving()
         self.server.stop(grace_s).wait()
+        self.guard.close()
         self.metrics_endpoint.close()
 
 
@@ -97,9 +102,16 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     for name in registry.names:
         metrics.model_served(name, registry.get(name).weights.current.version)
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
+    guard = CallGuard(
+        stall_timeout_s=config.stall_timeout_s,
+        max_streams=config.max_streams,
+        max_open_streams=OPEN_STREAMS,
+        on_stall=metrics.call_stalled,
+    )
     try:
-        server, health_servicer, port = _start_grpc(config, registry, metrics)
+        server, health_servicer, port = _start_grpc(config, registry, metrics, guard)
     except BaseException:
+        guard.close()
         endpoint.close()
         raise
     _LOGGER.info(
@@ -110,16 +122,18 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         config.host,
         endpoint.port,
     )
-    return RunningServer(server, port, health_servicer, metrics, endpoint)
+    return RunningServer(server, port, health_servicer, metrics, endpoint, guard)
 
 
 def _start_grpc(
-    config: Config, registry: ModelRegistry, metrics: ServerMetrics
+    config: Config, registry: ModelRegistry, metrics: ServerMetrics, guard: CallGuard
 ) -> tuple[grpc.Server, HealthService, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers),
-        interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config)],
+        # Metrics outermost (they see every final status), then tokens, then the guard.
+        interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config), guard],
         options=server_options(config),
+        maximum_concurrent_rpcs=config.workers + config.max_queued_calls + OPEN_STREAMS,
     )
     add_to_server(GradientServicer(registry, config, metrics), server)
     health_servicer = HealthService()

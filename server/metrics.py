@@ -202,6 +202,12 @@ class ServerMetrics:
         )
         for code in REJECTION_CODES:
             self._rejected.labels(code.name)
+        self._stalled = Counter(
+            "pergrad_stalled_calls_total",
+            "Calls cancelled because their client left them waiting (--stall-timeout).",
+            ("method",),
+            registry=r,
+        )
 
     def _define_weights_metrics(self) -> None:
         r = self.registry
@@ -280,6 +286,9 @@ class ServerMetrics:
         self._serialize.labels(model, reduction).observe(serialize_s)
         if complete:
             self._examples.labels(model, reduction).inc(count)
+
+    def call_stalled(self, method: str) -> None:
+        self._stalled.labels(method).inc()
 
     def request_rejected(self, code: grpc.StatusCode) -> None:
         self._rejected.labels(code.name).inc()

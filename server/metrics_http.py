@@ -1,4 +1,9 @@
-"""The HTTP endpoint that exposes a server's metrics registry at /metrics."""
+"""The HTTP endpoint that exposes a server's metrics registry at /metrics.
+
+Bounded against idle and hostile connections: each connection gets CONNECTION_TIMEOUT_S
+to send its request and read the answer, and at most MAX_CONNECTIONS are served at once;
+one more is closed at once instead of taking a thread.
+"""
 
 from __future__ import annotations
 
@@ -34,15 +39,48 @@ class MetricsEndpoint:
         self.thread.join(timeout=5)
 
 
+CONNECTION_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 16
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S  # StreamRequestHandler sets it on the socket
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would drown the server's log."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most MAX_CONNECTIONS threads; quiet about timeouts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _LOGGER.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
 def serve_metrics(metrics: ServerMetrics, host: str, port: int) -> MetricsEndpoint:
     """Serve `metrics` over HTTP at http://host:port/metrics (port 0 picks a free one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server_class = type("MetricsServer", (_BoundedServer,), {"address_family": family})
     try:
         httpd = make_server(
             host, port, make_wsgi_app(metrics.registry), server_class, _QuietHandler

@@ -19,6 +19,7 @@ from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import parser, status
 from pergrad.server.tracking import tracked
+from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
@@ -60,6 +61,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         return pb.ModelInfo(
             name=served.name,
             model_version=served.weights.current.version,
+            weights_id=served.weights.current.weights_id,
             variables=[
                 tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
                 for v in engine.variables
@@ -81,7 +83,10 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         specs = [tensor_spec(name, array) for name, array in arrays.items()]
         yield pb.WeightsMessage(
             header=pb.WeightsHeader(
-                model=served.name, model_version=snapshot.version, tensors=specs
+                model=served.name,
+                model_version=snapshot.version,
+                weights_id=snapshot.weights_id,
+                tensors=specs,
             )
         )
         for index, array in enumerate(arrays.values()):
@@ -98,19 +103,21 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         header = first.header
         served = self._registry.get(header.model)
         try:
-            version = self._replace_weights(served, header, request_iterator)
+            snapshot = self._replace_weights(served, header, request_iterator)
         except Exception:
             self.metrics.weights_update_failed(served.name)
             raise
-        self.metrics.weights_updated(served.name, version)
-        _LOGGER.info("model %s: weights version %d", served.name, version)
-        return pb.SetWeightsResponse(model=served.name, model_version=version)
+        self.metrics.weights_updated(served.name, snapshot.version)
+        _LOGGER.info("model %s: weights version %d", served.name, snapshot.version)
+        return pb.SetWeightsResponse(
+            model=served.name, model_version=snapshot.version, weights_id=snapshot.weights_id
+        )
 
     @staticmethod
     def _replace_weights(
         served: ServedModel, header: pb.WeightsHeader, chunks: Iterator[pb.WeightsMessage]
-    ) -> int:
-        """Check the header, fill the tensors from the chunks, swap them in: the version."""
+    ) -> Snapshot:
+        """Check the header, fill the tensors from the chunks, swap them in."""
         served.weights.check(
             [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
         )
@@ -121,7 +128,10 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             assembler.add(message.chunk)
         arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
         return served.weights.replace(
-            arrays, expected_version=header.model_version, new_version=header.new_version
+            arrays,
+            expected_version=header.model_version,
+            expected_id=header.weights_id,
+            new_version=header.new_version,
         )
 
     @status

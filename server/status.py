@@ -48,6 +48,15 @@ def parser(message_class: type) -> Callable[[bytes], Any]:
 
 
 def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics) -> None:
+    if not context.is_active():
+        # The client cancelled, its deadline passed, or a stall was cancelled: the call
+        # ends as such, not as a server error (aborting marks it handled, so gRPC logs
+        # nothing), and nobody is left to read the message.
+        remaining = context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        _LOGGER.debug("call ended by its client (%s): %s", code.name, type(err).__name__)
+        context.abort(code, "the call ended on the client's side")
     if isinstance(err, PergradServerError):
         code, message = grpc.StatusCode[err.code], str(err)
     elif isinstance(err, CodecError | OptionError | CastError):

@@ -3,10 +3,15 @@
 A request takes one snapshot at its start and computes with it to the end, so an
 update never tears a computation; an update validates everything before the swap,
 so a rejected one changes nothing.
+
+Each snapshot has a version (1 at start, growing with every update, at most MAX_VERSION)
+and a weights_id, a digest of its content: versions start again at 1 when a server
+restarts, so a pin by version alone could meet other weights; a pin by id cannot.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,11 +22,24 @@ import tensorflow as tf
 from pergrad.server.engine import VariableSpec
 from pergrad.server.errors import FailedPrecondition, InvalidArgument
 
+# Far below int64's limit, so that no version + 1 ever overflows the wire's int64.
+MAX_VERSION = 1 << 62
+
 
 @dataclass(frozen=True)
 class Snapshot:
     version: int
     trainable: tuple[tf.Tensor, ...]
+    weights_id: str
+
+
+def weights_id(variables: Sequence[VariableSpec], arrays: Sequence[np.ndarray]) -> str:
+    """A digest of every variable's name, dtype, shape and bytes, in model order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for spec, array in zip(variables, arrays, strict=True):
+        digest.update(f"{spec.name}:{spec.dtype.str}:{spec.shape};".encode())
+        digest.update(np.ascontiguousarray(array).view(np.uint8).data)
+    return digest.hexdigest()
 
 
 class WeightsStore:
@@ -30,19 +48,26 @@ class WeightsStore:
     def __init__(self, variables: Sequence[VariableSpec], initial: Sequence[tf.Tensor]) -> None:
         self._variables = tuple(variables)
         self._lock = threading.Lock()
-        self._current = Snapshot(1, tuple(initial))
+        arrays = [t.numpy() for t in initial]
+        self._current = Snapshot(1, tuple(initial), weights_id(self._variables, arrays))
 
     @property
     def current(self) -> Snapshot:
         return self._current
 
-    def get(self, version: int = 0) -> Snapshot:
-        """The current snapshot; with a non-zero `version`, only if that one is current."""
+    def get(self, version: int = 0, identity: str = "") -> Snapshot:
+        """The current snapshot; with a non-zero `version` or a non-empty `identity`
+        (weights_id), only if the current one is that."""
         snapshot = self._current
         if version and version != snapshot.version:
             raise FailedPrecondition(
                 f"model_version {version} is not current (current is {snapshot.version}); "
                 "fetch the current weights or pin the current version"
+            )
+        if identity and identity != snapshot.weights_id:
+            raise FailedPrecondition(
+                f"weights_id {identity} is not the current weights' ({snapshot.weights_id}): "
+                "the server restarted or its weights were set since; fetch them again"
             )
         return snapshot
 
@@ -68,32 +93,56 @@ class WeightsStore:
                 )
 
     def replace(
-        self, arrays: Mapping[str, np.ndarray], *, expected_version: int = 0, new_version: int = 0
-    ) -> int:
-        """Swap in new values for every variable at once; returns the new version.
+        self,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        expected_version: int = 0,
+        expected_id: str = "",
+        new_version: int = 0,
+    ) -> Snapshot:
+        """Swap in new values for every variable at once; returns the new snapshot.
 
         `new_version`, if given, must exceed the current one (replicas kept in step by
         one client all get the same version); else the version grows by one.
         """
         self.check([(name, array.dtype, array.shape) for name, array in arrays.items()])
-        tensors = tuple(tf.constant(arrays[spec.name]) for spec in self._variables)
+        if not 0 <= new_version <= MAX_VERSION:
+            raise InvalidArgument(f"new_version: must be in [0, 2^62], got {new_version}")
+        ordered = [arrays[spec.name] for spec in self._variables]
+        bad = [s.name for s, a in zip(self._variables, ordered, strict=True) if not _finite(a)]
+        if bad:
+            raise InvalidArgument(f"weights {bad} hold NaN or infinity; nothing was changed")
+        tensors = tuple(tf.constant(array) for array in ordered)
+        identity = weights_id(self._variables, ordered)
         with self._lock:
-            current = self._current.version
-            if expected_version and expected_version != current:
+            current = self._current
+            if expected_version and expected_version != current.version:
                 raise FailedPrecondition(
-                    f"expected version {expected_version}, but current is {current}; "
+                    f"expected version {expected_version}, but current is {current.version}; "
                     "another update came first"
                 )
-            if new_version and new_version <= current:
+            if expected_id and expected_id != current.weights_id:
                 raise FailedPrecondition(
-                    f"new_version {new_version} does not exceed the current version {current}"
+                    f"expected weights_id {expected_id}, but current is {current.weights_id}; "
+                    "another update came first, or the server restarted"
                 )
-            version = new_version or current + 1
-            self._current = Snapshot(version, tensors)
-            return version
+            if new_version and new_version <= current.version:
+                raise FailedPrecondition(
+                    f"new_version {new_version} does not exceed the current version "
+                    f"{current.version}"
+                )
+            version = new_version or current.version + 1
+            if version > MAX_VERSION:
+                raise FailedPrecondition(f"version {current.version} is the last one (2^62)")
+            self._current = Snapshot(version, tensors, identity)
+            return self._current
 
     def arrays(self, snapshot: Snapshot) -> dict[str, np.ndarray]:
         return {
             spec.name: tensor.numpy()
             for spec, tensor in zip(self._variables, snapshot.trainable, strict=True)
         }
+
+
+def _finite(array: np.ndarray) -> bool:
+    return array.dtype.kind != "f" or bool(np.isfinite(array).all())

@@ -7,6 +7,7 @@ tensor once and copies every chunk straight into place.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import ml_dtypes
@@ -69,16 +70,27 @@ def encode_tensor(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=wire_dtype(array.dtype), shape=array.shape, content=array.tobytes())
 
 
+# No tensor pergrad handles comes near these; beyond them numpy cannot even describe one.
+MAX_RANK = 32
+MAX_ELEMENTS = 1 << 40
+
+
 def checked_shape(shape: Sequence[int], *, what: str) -> tuple[int, ...]:
-    """Shape as a tuple, refusing negative dimensions before anything is allocated."""
+    """Shape as a tuple, refusing what no array can be before anything is allocated:
+    negative dimensions, more than MAX_RANK of them, more than MAX_ELEMENTS elements
+    (counting every dimension but zeros, so [0, 2^62, 2^62] is refused too)."""
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
         raise CodecError(f"{what}: shape {list(shape)} has a negative dimension")
+    if len(shape) > MAX_RANK:
+        raise CodecError(f"{what}: shape of rank {len(shape)}; at most {MAX_RANK}")
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise CodecError(f"{what}: shape {list(shape)} holds more than 2^40 elements")
     return shape
 
 
 def declared_nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def decode_tensor(tensor: pb.Tensor, *, what: str) -> np.ndarray:

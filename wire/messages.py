@@ -62,12 +62,14 @@ def gradients_request(
     options: Mapping[str, Any],
     variables: Sequence[str] | None = None,
     model_version: int = 0,
+    weights_id: str = "",
     request_id: int = 0,
 ) -> pb.GradientsRequest:
     """A request for `reduction` with checked `options` (None or a default: not sent)."""
     request = pb.GradientsRequest(
         model=model,
         model_version=model_version,
+        weights_id=weights_id,
         inputs=encode_tensor(x),
         labels=encode_tensor(y),
         request_id=request_id,
@@ -119,6 +121,7 @@ def result_header(
     *,
     model: str,
     model_version: int,
+    weights_id: str,
     batch_size: int,
     server: str,
     outputs: Sequence[tuple[str, str, Sequence[int], np.dtype]],
@@ -127,6 +130,7 @@ def result_header(
     return pb.ResultHeader(
         model=model,
         model_version=model_version,
+        weights_id=weights_id,
         batch_size=batch_size,
         server=server,
         outputs=[
@@ -178,6 +182,7 @@ def result_from_arrays(
     return GradientResult(
         losses,
         model_version=header.model_version,
+        weights_id=header.weights_id,
         model=header.model,
         server=header.server,
         catalogue=catalogue,

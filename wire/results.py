@@ -20,7 +20,8 @@ class GradientResult:
 
     Attributes:
         losses: per-example loss, [B] (always).
-        model_version: the weights version every tensor was computed with.
+        model_version, weights_id: the version and the identity (a digest of the content)
+            of the weights every tensor was computed with.
         model: the model's name. server: the replica(s) that computed it.
         outputs: {field: value} of the reduction's outputs; each is also an attribute.
             Per-variable fields map variable names to arrays ({} when the reduction has
@@ -37,6 +38,7 @@ class GradientResult:
         losses: np.ndarray,
         *,
         model_version: int = 0,
+        weights_id: str = "",
         model: str = "",
         server: str = "",
         catalogue: Catalogue = CATALOGUE,
@@ -45,6 +47,7 @@ class GradientResult:
         self.__dict__.update(
             losses=losses,
             model_version=model_version,
+            weights_id=weights_id,
             model=model,
             server=server,
             outputs={},
@@ -153,6 +156,7 @@ def merge(parts: Sequence[GradientResult]) -> GradientResult:
     return GradientResult(
         np.concatenate([p.losses for p in parts]),
         model_version=first.model_version,
+        weights_id=first.weights_id,
         model=first.model,
         server=servers,
         catalogue=first._catalogue,

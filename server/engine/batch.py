@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import keras
 import numpy as np
 
 from pergrad.server.engine.losses import LabelSpec, check_labels
@@ -16,10 +17,29 @@ from pergrad.wire.casting import CastError, cast
 
 @dataclass(frozen=True)
 class InputSpec:
-    """Per-example input: dtype and shape without the batch; None is any size."""
+    """Per-example input: dtype and shape without the batch; None is any size.
+    `ids_below`: integer inputs that feed an embedding directly must lie in
+    [0, ids_below) (its input_dim; `ids_of` names the layer); 0 means no such bound."""
 
     dtype: np.dtype
     shape: tuple[int | None, ...]
+    ids_below: int = 0
+    ids_of: str = ""
+
+
+def embedding_bound(model: keras.Model, position: int) -> tuple[int, str]:
+    """(smallest input_dim, its layer's name) of the embeddings that model input number
+    `position` feeds directly, or (0, "") when it feeds none. An id outside the table
+    would fail deep in TensorFlow, or under XLA be clamped silently to another row."""
+    tensor = model.inputs[position]
+    bounds = [
+        (layer.input_dim, layer.name)
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, keras.layers.Embedding)
+        for node in layer._inbound_nodes
+        if any(t is tensor for t in node.input_tensors)
+    ]
+    return min(bounds) if bounds else (0, "")
 
 
 @dataclass(frozen=True)
@@ -66,6 +86,14 @@ def _check_inputs(x: np.ndarray, spec: InputSpec) -> None:
     ):
         want = ["B", *(("any" if d is None else d) for d in spec.shape)]
         raise InvalidArgument(f"inputs: shape {list(x.shape)}, model expects {want}")
+    if spec.ids_below and x.size:
+        outside = (x < 0) | (x >= spec.ids_below)
+        if outside.any():
+            bad = np.flatnonzero(outside.reshape(len(x), -1).any(axis=1))
+            raise InvalidArgument(
+                f"inputs: examples {bad[:10].tolist()} hold ids outside [0, {spec.ids_below}), "
+                f"the rows of embedding {spec.ids_of!r}"
+            )
     if x.dtype.kind == "f" and not np.isfinite(x).all():
         bad = np.flatnonzero(~np.isfinite(x.reshape(len(x), -1)).all(axis=1))
         raise InvalidArgument(

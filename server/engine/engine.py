@@ -16,6 +16,7 @@ admission), `compute` and `blocks` work on such a `Batch`; `per_example_gradient
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -25,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.engine import reductions
-from pergrad.server.engine.batch import Batch, InputSpec, make_batch
+from pergrad.server.engine.batch import Batch, InputSpec, embedding_bound, make_batch
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
@@ -74,6 +75,12 @@ class SliceResult:
     stop: int
     losses: np.ndarray
     gradients: list[np.ndarray]
+
+
+def _first_line(err: tf.errors.OpError) -> str:
+    """TensorFlow's message without its graph-node and function decorations."""
+    line = err.message.strip().splitlines()[0] if err.message.strip() else type(err).__name__
+    return re.sub(r"\{\{[^}]*\}\}\s*", "", line).strip()
 
 
 def _stop_if(cancelled: Callable[[], bool] | None, done: int, total: int) -> None:
@@ -127,7 +134,11 @@ class Engine:
         self.loss = PerExampleLoss(loss)
         model_input = _single(model.inputs, "input", model)
         model_output = _single(model.outputs, "output", model)
-        self.input_spec = InputSpec(np.dtype(model_input.dtype), tuple(model_input.shape[1:]))
+        self.input_spec = InputSpec(
+            np.dtype(model_input.dtype),
+            tuple(model_input.shape[1:]),
+            *embedding_bound(model, 0),
+        )
         self.label_spec: LabelSpec = self.loss.label_spec(
             tuple(model_output.shape), model_output.dtype
         )
@@ -199,7 +210,10 @@ class Engine:
         weights = tuple(trainable) if trainable is not None else self.initial_weights()
         for start in range(0, batch.size, self.slice_size):
             stop = min(start + self.slice_size, batch.size)
-            losses, grads = self._pass(weights, batch.x[start:stop], batch.y[start:stop])
+            try:
+                losses, grads = self._pass(weights, batch.x[start:stop], batch.y[start:stop])
+            except tf.errors.InvalidArgumentError as err:
+                raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
             numpy_grads = [self._grad_or_zeros(grads, v, stop - start) for v in self.variables]
             yield Slice(start, stop, losses, numpy_grads)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import keras
@@ -33,11 +34,20 @@ def resolve_model_path(path: str, model_dir: Path | None) -> Path:
 
 
 def load_keras_file(path: Path) -> keras.Model:
-    """Load with safe_mode=True: a Lambda layer or other pickled code is refused."""
+    """Load with safe_mode=True: a Lambda layer or other pickled code is refused.
+
+    A file that is not a whole .keras archive (no config.json, not a zip, a truncated
+    weights file) is a ModelLoadError too, whatever Keras raises for it.
+    """
     try:
         model = keras.saving.load_model(path, safe_mode=True, compile=True)
     except ValueError as err:
         raise ModelLoadError(f"model {str(path)!r} cannot be loaded safely: {err}") from err
+    except (KeyError, OSError, TypeError, AttributeError, zipfile.BadZipFile) as err:
+        raise ModelLoadError(
+            f"model {str(path)!r} is not a usable .keras file ({type(err).__name__}: {err}); "
+            "save it again with model.save(path)"
+        ) from err
     if not isinstance(model, keras.Model):
         raise ModelLoadError(f"model {str(path)!r} is not a Keras model")
     return model

@@ -47,7 +47,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server")
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class ModelInfo(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_version: int
     variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
@@ -64,7 +65,8 @@ class ModelInfo(_message.Message):
     loss: str
     num_classes: int
     server: str
-    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class GetWeightsRequest(_message.Message):
     __slots__ = ("model",)
@@ -73,16 +75,18 @@ class GetWeightsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("model", "model_version", "tensors", "new_version")
+    __slots__ = ("model", "model_version", "tensors", "new_version", "weights_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
     new_version: int
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., new_version: _Optional[int] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., new_version: _Optional[int] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class WeightsMessage(_message.Message):
     __slots__ = ("header", "chunk")
@@ -93,15 +97,17 @@ class WeightsMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class SetWeightsResponse(_message.Message):
-    __slots__ = ("model", "model_version")
+    __slots__ = ("model", "model_version", "weights_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class GradientsRequest(_message.Message):
-    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype")
+    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype", "weights_id")
     class ReferenceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +129,7 @@ class GradientsRequest(_message.Message):
     DIM_FIELD_NUMBER: _ClassVar[int]
     PROJECTION_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     inputs: _tensor_pb2.Tensor
@@ -137,7 +144,8 @@ class GradientsRequest(_message.Message):
     dim: int
     projection: ProjectionKind
     wire_dtype: _tensor_pb2.DataType
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class ResultTensor(_message.Message):
     __slots__ = ("field", "tensor")
@@ -148,18 +156,20 @@ class ResultTensor(_message.Message):
     def __init__(self, field: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("model", "model_version", "batch_size", "outputs", "server")
+    __slots__ = ("model", "model_version", "batch_size", "outputs", "server", "weights_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     batch_size: int
     outputs: _containers.RepeatedCompositeFieldContainer[ResultTensor]
     server: str
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ...) -> None: ...
+    weights_id: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class GradientsResponse(_message.Message):
     __slots__ = ("request_id", "header", "chunk")

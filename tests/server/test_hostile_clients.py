@@ -1,0 +1,347 @@
+"""Careless and hostile clients against a live server, one test per way it once gave way:
+idle streams, unbounded queues, unpriced outputs, pinned memory, idle HTTP connections,
+public DP noise, wedged versions, out-of-range ids, NaN weights, absurd shapes, cancels
+counted as errors."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from pergrad.client import GradientClient, PergradError
+from pergrad.client.local import LocalServer
+from pergrad.server import metrics_http
+from pergrad.server.main import RunningServer, build_registry, start
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
+from tests.helpers import batch_for, loopback_config
+from tests.prometheus import sample_value, scrape
+
+SERVICE = "/pergrad.v1.GradientService/"
+
+
+def _start(**settings: object) -> RunningServer:
+    return start(loopback_config(settings.pop("models", "mnist_mlp"), **settings))
+
+
+@pytest.fixture()
+def guarded() -> Iterator[RunningServer]:
+    """Two workers, one stream at a time, stalls cancelled after a second and a half."""
+    running = _start(workers=2, max_streams=1, max_queued_calls=2, stall_timeout_s=1.5)
+    yield running
+    running.stop(0)
+
+
+def _target(server: RunningServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def _list_models(channel: grpc.Channel, timeout: float = 5) -> list[str]:
+    reply = channel.unary_unary(
+        SERVICE + "ListModels", response_deserializer=pb.ListModelsResponse.FromString
+    )(pb.ListModelsRequest().SerializeToString(), timeout=timeout)
+    return list(reply.models)
+
+
+def _idle_stream(channel: grpc.Channel, method: str) -> grpc.Future:
+    """A request stream that sends nothing and never ends."""
+    never = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        never.wait()
+        yield b""
+
+    return channel.stream_stream(method)(requests())
+
+
+def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
+    with grpc.insecure_channel(_target(guarded)) as channel:
+        streams = [
+            _idle_stream(channel, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+            for _ in range(8)
+        ]
+        time.sleep(0.5)
+        assert _list_models(channel) == ["mnist_mlp"]
+        for stream in streams:
+            stream.cancel()
+
+
+def test_an_idle_gradients_stream_is_cancelled_and_the_next_refused_meanwhile(guarded) -> None:
+    with grpc.insecure_channel(_target(guarded)) as channel:
+        idle = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
+        time.sleep(0.3)
+        second = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
+        with pytest.raises(grpc.RpcError) as refused:
+            next(second)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _list_models(channel) == ["mnist_mlp"]  # a worker is left for other calls
+        with pytest.raises(grpc.RpcError) as stalled:
+            next(idle)
+        assert stalled.value.code() == grpc.StatusCode.CANCELLED
+    exposition = scrape(guarded.metrics_port)
+    assert sample_value(exposition, "pergrad_stalled_calls_total") >= 1
+
+
+def test_calls_beyond_the_queue_are_refused_at_once(guarded) -> None:
+    """Both workers held by clients that read nothing; the queue takes two more calls."""
+    x, y = batch_for((784,), 10, 512)
+    request = pb.GradientsRequest(
+        model="mnist_mlp", inputs=encode_tensor(x), labels=encode_tensor(y)
+    ).SerializeToString()
+    with grpc.insecure_channel(_target(guarded)) as channel:
+        compute = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
+        unread = [compute(request) for _ in range(2)]  # 200 MB each, never read
+        time.sleep(1.0)
+        calls = [
+            channel.unary_unary(SERVICE + "ListModels").future(
+                pb.ListModelsRequest().SerializeToString(), timeout=20
+            )
+            for _ in range(12)
+        ]
+        codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
+        for call in unread:
+            call.cancel()
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+
+
+def _priced_server() -> RunningServer:
+    return _start(max_inflight_bytes=1 << 20, max_batch=4096)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"reduction": "dot", "variables": ["logits/bias"], "reference": {"logits/bias": None}},
+        {"reduction": "project", "dim": 65536},
+    ],
+    ids=["dot", "project"],
+)
+def test_reductions_are_priced_by_what_they_return(options) -> None:
+    running = _priced_server()
+    try:
+        x, y = batch_for((784,), 10, 64)
+        if options["reduction"] == "dot":  # 64 x 20000 dots: 5 MB from a 0.8 MB request
+            options = {**options, "reference": {"logits/bias": np.ones((20000, 10), np.float32)}}
+        with GradientClient(_target(running)) as client, pytest.raises(PergradError) as err:
+            client.per_example_gradients("mnist_mlp", x, y, **options)
+    finally:
+        running.stop(0)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-inflight-bytes" in err.value.message
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+
+
+def test_projection_memory_stays_bounded_whatever_seeds_callers_send() -> None:
+    x, y = batch_for((784,), 10, 8)
+    with (
+        LocalServer("--model", "mnist_mlp", "--jit-compile", "off") as server,
+        GradientClient(server.target) as client,
+    ):
+        client.per_example_gradients("mnist_mlp", x, y, reduction="project", dim=65536)
+        before = _rss_mb(server.process.pid)
+        for seed in range(1, 5):  # each would pin 2 x 205 MB of matrices if cached whole
+            client.per_example_gradients(
+                "mnist_mlp", x, y, reduction="project", dim=65536, seed=seed
+            )
+        grown = (_rss_mb(server.process.pid) - before) / 1024
+    assert grown < 300, f"RSS grew by {grown:.0f} MB over 4 seeds"
+
+
+def test_idle_metrics_connections_take_no_thread_beyond_the_bound(
+    fresh_server, monkeypatch
+) -> None:
+    monkeypatch.setattr(metrics_http._QuietHandler, "timeout", 1.0)
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", fresh_server.metrics_port)) for _ in range(60)]
+    time.sleep(0.5)
+    assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS
+    time.sleep(1.5)  # the idle ones time out and free their slots
+    assert "pergrad_weights_version" in scrape(fresh_server.metrics_port)
+    for connection in idle:
+        connection.close()
+
+
+def test_unseeded_noise_over_the_wire_is_fresh_every_call(client: GradientClient) -> None:
+    x, y = batch_for((784,), 10, 4)
+    options = {"reduction": "clipped_sum", "max_norm": 1.0, "noise_multiplier": 1.0}
+    first = client.per_example_gradients("mnist_mlp", x, y, **options)
+    second = client.per_example_gradients("mnist_mlp", x, y, **options)
+    seeded = client.per_example_gradients("mnist_mlp", x, y, seed=0, **options)
+    bias = [r.clipped_sum["logits/bias"] for r in (first, second, seeded)]
+    assert not np.allclose(bias[0], bias[1]) and not np.allclose(bias[0], bias[2])
+
+
+def test_a_version_past_the_bound_is_refused_and_updates_go_on(fresh_client) -> None:
+    _, weights = fresh_client.get_weights("mnist_mlp")
+    header = pb.WeightsHeader(
+        model="mnist_mlp",
+        new_version=2**63 - 1,
+        tensors=[tensor_spec(name, array) for name, array in weights.items()],
+    )
+    messages = [pb.WeightsMessage(header=header)] + [
+        pb.WeightsMessage(chunk=chunk)
+        for index, array in enumerate(weights.values())
+        for chunk in iter_chunks(index, array)
+    ]
+    with pytest.raises(grpc.RpcError) as err:
+        fresh_client._stub.SetWeights(iter(messages), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "new_version" in err.value.details()
+    assert fresh_client.set_weights("mnist_mlp", weights) == 2
+    x, y = batch_for((784,), 10, 2)
+    assert fresh_client.per_example_gradients("mnist_mlp", x, y).model_version == 2
+
+
+def test_a_pin_from_an_earlier_server_life_fails(model_dir: Path) -> None:
+    x, y = batch_for((784,), 10, 2)
+    first = _start(model_dir=model_dir)
+    with GradientClient(_target(first)) as client:
+        _, weights = client.get_weights("mnist_mlp")
+        client.set_weights("mnist_mlp", {k: v * 2 for k, v in weights.items()})
+        pinned = client.per_example_gradients("mnist_mlp", x, y, model_version=2)
+    first.stop(0)
+    second = _start(model_dir=model_dir)  # the same model, restarted: versions from 1
+    try:
+        with GradientClient(_target(second)) as client:
+            client.set_weights("mnist_mlp", {k: v * 3 for k, v in weights.items()})
+            with pytest.raises(PergradError) as err:
+                client.per_example_gradients(
+                    "mnist_mlp", x, y, model_version=2, weights_id=pinned.weights_id
+                )
+            again = client.per_example_gradients("mnist_mlp", x, y, model_version=2)
+    finally:
+        second.stop(0)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "restarted" in err.value.message
+    assert again.weights_id != pinned.weights_id
+
+
+def test_replicas_with_the_same_weights_report_the_same_identity(model_dir: Path) -> None:
+    servers = [_start(model_dir=model_dir) for _ in range(2)]
+    try:
+        ids = []
+        for running in servers:
+            with GradientClient(_target(running)) as client:
+                ids.append(client.model_info("mnist_mlp").weights_id)
+    finally:
+        for running in servers:
+            running.stop(0)
+    assert ids[0] == ids[1] and len(ids[0]) == 32
+
+
+@pytest.mark.parametrize(("ids", "examples"), [([[5, 1000]], [0]), ([[3, 4], [-1, 2]], [1])])
+def test_token_ids_outside_the_vocabulary_are_invalid_naming_the_examples(ids, examples) -> None:
+    running = _start(models="transformer_block")
+    tokens = np.zeros((len(ids), 32), np.int32)
+    tokens[:, :2] = ids
+    try:
+        with GradientClient(_target(running)) as client:
+            for reduction in ("none", "norms"):
+                with pytest.raises(PergradError) as err:
+                    client.per_example_gradients(
+                        "transformer_block", tokens, np.zeros(len(ids), int), reduction=reduction
+                    )
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"examples {examples}" in err.value.message
+                assert "outside [0, 1000)" in err.value.message
+    finally:
+        running.stop(0)
+
+
+def test_internal_errors_carry_no_traceback_or_path(monkeypatch) -> None:
+    config = loopback_config("mnist_mlp")
+    registry = build_registry(config)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("/srv/secret/engine.py line 12")
+
+    monkeypatch.setattr(registry.get("mnist_mlp").engine, "compute", broken)
+    running = start(config, registry)
+    x, y = batch_for((784,), 10, 2)
+    try:
+        with GradientClient(_target(running)) as client, pytest.raises(PergradError) as err:
+            client.per_example_gradients("mnist_mlp", x, y, reduction="norms")
+    finally:
+        running.stop(0)
+    assert err.value.code == grpc.StatusCode.INTERNAL
+    assert err.value.message == "internal error: RuntimeError"
+
+
+def test_weights_holding_nan_are_refused_and_nothing_changes(fresh_client) -> None:
+    version, weights = fresh_client.get_weights("mnist_mlp")
+    weights["hidden/bias"][3] = np.nan
+    with pytest.raises(PergradError) as err:
+        fresh_client.set_weights("mnist_mlp", weights)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hidden/bias" in err.value.message
+    assert fresh_client.get_weights("mnist_mlp")[0] == version
+
+
+@pytest.mark.parametrize("field", ["inputs", "labels", "reference"])
+@pytest.mark.parametrize("shape", [[1] + [2**62] * 20, [1, 0, 2**62, 2**62]], ids=["huge", "zero"])
+def test_absurd_shapes_are_invalid_arguments(server, field: str, shape: list[int]) -> None:
+    x, y = batch_for((784,), 10, 1)
+    tensors = {"inputs": encode_tensor(x), "labels": encode_tensor(y)}
+    absurd = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FLOAT32, shape=shape, content=b"")
+    request = pb.GradientsRequest(model="mnist_mlp", **tensors)
+    if field == "reference":
+        request.reduction = pb.REDUCTION_DOT
+        request.reference["logits/bias"].CopyFrom(absurd)
+        request.variables.append("logits/bias")
+    else:
+        getattr(request, field).CopyFrom(absurd)
+    with grpc.insecure_channel(_target(server)) as channel, pytest.raises(grpc.RpcError) as err:
+        list(
+            channel.unary_stream(SERVICE + "ComputePerExampleGradients")(
+                request.SerializeToString(), timeout=30
+            )
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _handled(exposition: str, method: str, code: str) -> float:
+    return sample_value(exposition, "grpc_server_handled_total", grpc_method=method, grpc_code=code)
+
+
+def test_cancelled_streams_are_counted_cancelled_not_internal(fresh_server, caplog) -> None:
+    caplog.set_level(logging.INFO)
+    _, weights = GradientClient(_target(fresh_server)).get_weights("mnist_mlp")
+    header = pb.WeightsMessage(
+        header=pb.WeightsHeader(
+            model="mnist_mlp",
+            tensors=[tensor_spec(name, array) for name, array in weights.items()],
+        )
+    )
+    half_sent = threading.Event()
+
+    def half() -> Iterator[bytes]:
+        yield header.SerializeToString()
+        half_sent.wait()
+        yield b""
+
+    with grpc.insecure_channel(_target(fresh_server)) as channel:
+        idle = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
+        time.sleep(0.3)
+        idle.cancel()
+        upload = channel.stream_unary(SERVICE + "SetWeights").future(half())
+        time.sleep(0.3)
+        upload.cancel()
+    time.sleep(0.5)
+    exposition = scrape(fresh_server.metrics_port)
+    for method in ("StreamPerExampleGradients", "SetWeights"):
+        assert _handled(exposition, method, "CANCELLED") == 1, method
+        assert not _handled(exposition, method, "INTERNAL"), method
+    assert "internal error" not in caplog.text
