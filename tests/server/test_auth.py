@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.auth import TokenFileError, parse_tokens
+from pergrad.server.auth import TokenFileError, load_tokens, parse_tokens
 from pergrad.server.main import SERVICE_NAME, RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -179,3 +179,11 @@ def test_token_file_marks_read_only_tokens() -> None:
 def test_unusable_token_file_is_refused_naming_the_line(text: str, message: str) -> None:
     with pytest.raises(TokenFileError, match=message):
         parse_tokens(text)
+
+
+def test_a_token_file_saved_with_a_byte_order_mark_keeps_its_first_token(tmp_path) -> None:
+    path = tmp_path / "tokens"
+    path.write_bytes("\ufefffirst-token\nsecond:ro\n".encode())
+    tokens = load_tokens(path)
+    assert tokens.lookup("first-token") is False
+    assert tokens.lookup("second") is True

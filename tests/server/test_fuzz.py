@@ -1,5 +1,6 @@
-"""Random, malformed and truncated requests against a live server: every answer is a
-deliberate status (never UNKNOWN or INTERNAL), and the server stays healthy.
+"""Random, malformed, truncated and resource-shaped requests, and idle streams, against a
+live server: every answer is a deliberate status (never UNKNOWN or INTERNAL), and the
+server stays healthy and answering.
 
 `PERGRAD_FUZZ_EXAMPLES` sets how many requests of each kind (`make soak` runs thousands).
 """
@@ -7,15 +8,23 @@ deliberate status (never UNKNOWN or INTERNAL), and the server stays healthy.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
 
 import grpc
+import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pergrad.server.main import RunningServer
+from pergrad.server.main import RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.codec import encode_tensor
+from pergrad.wire.results import expected_outputs
+from tests.helpers import loopback_config
 
 EXAMPLES = int(os.environ.get("PERGRAD_FUZZ_EXAMPLES", "150"))
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -134,3 +143,95 @@ def test_server_is_serving_after_the_fuzzing(server: RunningServer) -> None:
             health_pb2.HealthCheckRequest(), timeout=10
         )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# Resource-shaped requests: many reference rows, large projections, a new seed every time,
+# all on a small variable so each stays cheap to compute when it is admitted.
+resource_requests = st.builds(
+    lambda reduction, batch, k, dim, seed: _resource_request(reduction, batch, k, dim, seed),
+    reduction=st.sampled_from(["dot", "project", "clipped_sum"]),
+    batch=st.integers(1, 64),
+    k=st.integers(1, 200_000),
+    dim=st.integers(1, 1 << 17),
+    seed=st.integers(0, 2**64 - 1),
+)
+
+
+def _resource_request(reduction: str, batch: int, k: int, dim: int, seed: int):
+    x = np.zeros((batch, 784), np.float32)
+    request = pb.GradientsRequest(
+        model="mnist_mlp",
+        inputs=encode_tensor(x),
+        labels=encode_tensor(np.zeros(batch, np.int32)),
+        reduction=pb.Reduction.Value(f"REDUCTION_{reduction.upper()}"),
+        variables=["logits/bias"],
+    )
+    if reduction == "dot":
+        request.reference["logits/bias"].CopyFrom(encode_tensor(np.ones((k, 10), np.float32)))
+    elif reduction == "project":
+        request.dim, request.seed = dim, seed
+    else:
+        request.max_norm, request.noise_multiplier, request.seed = 1.0, 1.0, seed
+    expected = expected_outputs(
+        CATALOGUE.get(reduction),
+        batch=batch,
+        variables=[("logits/bias", (10,))],
+        options={"reference": {"logits/bias": np.zeros((k, 10))}, "dim": dim},
+    )
+    return request, [(e.field, e.variable, e.shape) for e in expected]
+
+
+@FUZZ
+@given(case=resource_requests)
+def test_resource_shaped_requests_get_deliberate_codes(server: RunningServer, case) -> None:
+    request, expected = case
+    result = []
+    data = request.SerializeToString()
+    code = _code(lambda: result.extend(_call(server, "ComputePerExampleGradients", data)))
+    assert code not in BAD_CODES
+    if code == grpc.StatusCode.OK:
+        header = pb.GradientsResponse.FromString(result[0]).header
+        got = [(o.field, o.tensor.name, tuple(o.tensor.shape)) for o in header.outputs]
+        assert got == expected
+
+
+@pytest.fixture(scope="module")
+def guarded_server() -> Iterator[RunningServer]:
+    running = start(loopback_config("mnist_mlp", workers=3, max_streams=2, stall_timeout_s=1.0))
+    yield running
+    running.stop(0)
+
+
+STREAM_METHODS = [
+    SERVICE + "StreamPerExampleGradients",
+    SERVICE + "SetWeights",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.health.v1.Health/Watch",
+]
+
+
+@settings(
+    max_examples=max(5, EXAMPLES // 15), deadline=None, suppress_health_check=list(HealthCheck)
+)
+@given(methods=st.lists(st.sampled_from(STREAM_METHODS), min_size=1, max_size=12))
+def test_idle_streams_of_any_kind_leave_the_server_answering(guarded_server, methods) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{guarded_server.port}") as channel:
+        never = threading.Event()
+
+        def nothing() -> Iterator[bytes]:
+            never.wait()
+            yield b""
+
+        opened = [
+            channel.unary_stream(m)(health_pb2.HealthCheckRequest().SerializeToString())
+            if m.endswith("Watch")
+            else channel.stream_stream(m)(nothing())
+            for m in methods
+        ]
+        reply = channel.unary_unary(SERVICE + "ListModels")(
+            pb.ListModelsRequest().SerializeToString(), timeout=10
+        )
+        assert pb.ListModelsResponse.FromString(reply).models == ["mnist_mlp"]
+        never.set()
+        for call in opened:
+            call.cancel()

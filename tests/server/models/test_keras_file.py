@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import zipfile
 from pathlib import Path
 
 import keras
@@ -10,6 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from pergrad.server.main import serve
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.models.registry import load_model
 from tests.helpers import KERAS_MODEL_NAME
@@ -62,3 +64,24 @@ def test_installed_keras_carries_the_safe_mode_fixes() -> None:
     floor = min(Version(s.version) for s in keras_requirement.specifier if s.operator == ">=")
     assert floor >= Version("3.14.0")
     assert keras_requirement.specifier.contains(importlib.metadata.version("keras"))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [{"metadata.json": "{}"}, {"config.json": "{not json"}, None],
+    ids=["no config.json", "broken config.json", "not a zip"],
+)
+def test_a_file_that_is_no_keras_archive_stops_serve_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, content: dict | None
+) -> None:
+    path = tmp_path / "bad.keras"
+    if content is None:
+        path.write_bytes(b"not a zip at all")
+    else:
+        with zipfile.ZipFile(path, "w") as archive:
+            for name, text in content.items():
+                archive.writestr(name, text)
+    code = serve(["--model", "bad.keras", "--model-dir", str(tmp_path), "--port", "0"])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "bad.keras" in error and "Traceback" not in error
