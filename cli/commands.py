@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pergrad.cli.connect import add_connection_arguments, connect
 from pergrad.client import GradientResult, ModelInfo, PergradError
+from pergrad.wire.casting import rows
 from pergrad.wire.catalogue import CATALOGUE, Option
 
 
@@ -39,9 +40,27 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batches(x: np.ndarray, y: np.ndarray, size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    for start in range(0, len(x), size):
-        yield x[start : start + size], y[start : start + size]
+def _batches(x: Any, y: np.ndarray, size: int) -> Iterator[tuple[Any, np.ndarray]]:
+    for start in range(0, len(y), size):
+        part = slice(start, start + size)
+        yield rows(x, part), y[part]
+
+
+def _read_data(args: argparse.Namespace, info: ModelInfo) -> tuple[Any, np.ndarray]:
+    """Labels (--y-key) and inputs from the .npz: --x-key for a model of one input, else
+    one array per input, named as the model names them."""
+    names = [i.name for i in info.inputs]
+    with np.load(args.data) as data:
+        keys = [args.x_key] if len(names) == 1 else names
+        missing = [key for key in [*keys, args.y_key] if key not in data.files]
+        if missing:
+            raise SystemExit(f"{args.data}: no arrays {missing}; it holds {data.files}")
+        x = data[args.x_key] if len(names) == 1 else {name: data[name] for name in names}
+        y = data[args.y_key]
+    sizes = {len(a) for a in ([x] if len(names) == 1 else x.values())}
+    if sizes != {len(y)}:
+        raise SystemExit(f"{args.data}: inputs of {sorted(sizes)} examples but {len(y)} labels")
+    return x, y
 
 
 def _flag(option: Option) -> str:
@@ -98,12 +117,9 @@ class _Written:
 
 
 def _grads(args: argparse.Namespace) -> int:
-    with np.load(args.data) as data:
-        x, y = data[args.x_key], data[args.y_key]
-    if len(x) != len(y):
-        raise SystemExit(f"{args.data}: {len(x)} inputs but {len(y)} labels")
-    written = _Written(len(x))
     with connect(args) as client:
+        x, y = _read_data(args, client.model_info(args.model))
+        written = _Written(len(y))
         results = client.stream(
             args.model,
             _batches(x, y, args.batch_size),
@@ -111,7 +127,7 @@ def _grads(args: argparse.Namespace) -> int:
             variables=args.variables,
             **_reduction_options(args),
         )
-        progress = tqdm(total=len(x), unit="ex", disable=args.quiet)
+        progress = tqdm(total=len(y), unit="ex", disable=args.quiet)
         start = 0
         for result in results:
             written.add(result, start)
@@ -120,7 +136,7 @@ def _grads(args: argparse.Namespace) -> int:
         progress.close()
     np.savez(args.out, **written.arrays)
     count = len(written.arrays) - 1
-    print(f"wrote {args.out}: {len(x)} examples, {count} arrays ({args.reduction})")
+    print(f"wrote {args.out}: {len(y)} examples, {count} arrays ({args.reduction})")
     return 0
 
 
@@ -161,7 +177,12 @@ def _parser() -> argparse.ArgumentParser:
     grads.add_argument("--model", required=True)
     grads.add_argument("--data", required=True, help=".npz with inputs and labels")
     grads.add_argument("--out", required=True, help=".npz to write")
-    grads.add_argument("--x-key", default="x", help="inputs array in --data")
+    grads.add_argument(
+        "--x-key",
+        default="x",
+        help="inputs array in --data (a model of several inputs reads one array per input "
+        "name instead)",
+    )
     grads.add_argument("--y-key", default="y", help="labels array in --data")
     grads.add_argument("--batch-size", type=int, default=64)
     grads.add_argument("--variables", nargs="+", help="only these variables")

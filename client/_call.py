@@ -12,7 +12,7 @@ import numpy as np
 
 from pergrad.client._types import ModelInfo, invalid
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.wire.casting import CastError, cast, dtype_named
+from pergrad.wire.casting import CastError, arrays_by_input, cast, dtype_named
 from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
 from pergrad.wire.messages import gradients_request
 from pergrad.wire.results import ExpectedOutput, expected_outputs
@@ -67,15 +67,23 @@ class Call:
     def request(
         self, info: ModelInfo, x: Any, y: Any, *, request_id: int = 0
     ) -> pb.GradientsRequest:
-        """The request for batch (x, y), cast to the model's dtypes."""
+        """The request for batch (x, y), cast to the model's dtypes; x is one array, or
+        for a model of several inputs a mapping by input name (or a list in their order)."""
+        single = len(info.inputs) == 1
         try:
-            inputs = cast(x, info.input.dtype, what="inputs")
+            values = arrays_by_input(x, [i.name for i in info.inputs])
+            inputs = {
+                spec.name: cast(
+                    value, spec.dtype, what="inputs" if single else f"inputs[{spec.name!r}]"
+                )
+                for spec, value in zip(info.inputs, values, strict=True)
+            }
             labels = cast(y, info.labels.dtype, what="labels")
         except CastError as err:
             raise invalid(str(err)) from None
         return gradients_request(
             self.model,
-            inputs,
+            next(iter(inputs.values())) if single else inputs,
             labels,
             reduction=self.reduction,
             options=self.options,
@@ -85,9 +93,7 @@ class Call:
             request_id=request_id,
         )
 
-    def expected(
-        self, info: ModelInfo, batch: int
-    ) -> list[tuple[ExpectedOutput, np.dtype | None]]:
+    def expected(self, info: ModelInfo, batch: int) -> list[tuple[ExpectedOutput, np.dtype | None]]:
         """The outputs a correct result of a batch of `batch` holds, each with the dtype
         it must travel in (None: any floating-point type, the model's loss dtype)."""
         chosen = set(self.variables) if self.variables else None

@@ -150,7 +150,9 @@ class GradientClient:
         **call: Any,
     ) -> GradientResult:
         """Per-example losses [B] and gradients {variable: [B, *shape]} of one batch,
-        or a server-side reduction of them.
+        or a server-side reduction of them. `x` is one array [B, ...], or for a model of
+        several inputs a mapping from their names (`model_info().inputs`) to arrays (or
+        a list in the model's order); `y` the labels [B, ...].
 
         Keywords:
             reduction: "none" (full gradients), "norms", "clipped_sum" (options
@@ -169,8 +171,8 @@ class GradientClient:
                 in place (no fresh allocation of a large result in a loop).
         """
         request = self._call(model, timeout=timeout or self._timeout, **call)
-        x, y = np.asarray(x), np.asarray(y)
-        if self._micro_batch and len(x) > self._micro_batch:
+        y = np.asarray(y)
+        if self._micro_batch and len(y) > self._micro_batch:
             if out is not None:
                 raise ValueError("out= refills one result; it does not combine with micro_batch")
             result = micro_batched(self._compute, self._pool, request, x, y, self._micro_batch)

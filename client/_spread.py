@@ -15,6 +15,7 @@ from pergrad.client._call import Call
 from pergrad.client._receive import read_results
 from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.casting import rows
 from pergrad.wire.results import GradientResult, merge
 
 # A replica that dies mid-call answers UNAVAILABLE; its share goes to another replica.
@@ -31,7 +32,7 @@ def computed(
     out: GradientResult | None = None,
 ) -> GradientResult:
     """The result of one request, sent again while its replica is gone and retries remain."""
-    expected = call.expected(info, int(request.inputs.shape[0]))
+    expected = call.expected(info, int(request.labels.shape[0]) if request.labels.shape else 0)
     for attempt in range(retries + 1):
         try:
             responses = compute_call(request, timeout=call.timeout)
@@ -61,21 +62,22 @@ def micro_batched(
     compute: Callable[[Call, Any, Any], GradientResult],
     pool: ThreadPoolExecutor,
     call: Call,
-    x: np.ndarray,
+    x: Any,
     y: np.ndarray,
     size: int,
 ) -> GradientResult:
-    """A batch as micro-batches of `size` computed at once, merged in order."""
-    starts = range(0, len(x), size)
+    """A batch as micro-batches of `size` computed at once, merged in order; `x` one
+    array, or one per model input."""
+    parts_of = [slice(s, s + size) for s in range(0, len(y), size)]
     futures = [
-        pool.submit(compute, call.part(i), x[s : s + size], y[s : s + size])
-        for i, s in enumerate(starts)
+        pool.submit(compute, call.part(i), rows(x, part), y[part])
+        for i, part in enumerate(parts_of)
     ]
     parts = [f.result() for f in futures]
     check_versions(parts)
     result = merge(parts)
-    if result.batch_size != len(x):
-        raise data_loss(f"micro-batches hold {result.batch_size} examples of {len(x)}")
+    if result.batch_size != len(y):
+        raise data_loss(f"micro-batches hold {result.batch_size} examples of {len(y)}")
     return result
 
 

@@ -41,7 +41,7 @@ def pipelined(
                     if finished.is_set():
                         return
                 request = call.request(info, x, y, request_id=request_id)
-                sizes[request_id] = int(request.inputs.shape[0]) if request.inputs.shape else 0
+                sizes[request_id] = int(request.labels.shape[0]) if request.labels.shape else 0
                 yield request
         except PergradError as err:
             failures.append(err)

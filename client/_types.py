@@ -75,6 +75,7 @@ class ModelInfo:
     num_classes: int
     server: str = ""
     weights_id: str = ""
+    inputs: tuple[TensorInfo, ...] = ()  # every input, by name, in model order
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
@@ -88,6 +89,8 @@ class ModelInfo:
             num_classes=info.num_classes,
             server=info.server,
             weights_id=info.weights_id,
+            inputs=tuple(TensorInfo.from_proto(t) for t in info.inputs)
+            or (TensorInfo.from_proto(info.input),),
         )
 
     @property

@@ -20,6 +20,7 @@ from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import NONE
 from pergrad.wire.chunks import RawChunk, encode_chunk
@@ -54,18 +55,33 @@ class Work:
         return sum(int(np.prod(e.shape)) * dtype.itemsize for e, dtype in self.outputs)
 
 
-def _decode_batch(request: pb.GradientsRequest, max_batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs and labels as arrays viewing the request's bytes, sizes checked first."""
-    tensors = {"inputs": request.inputs, "labels": request.labels}
-    for field, tensor in tensors.items():
-        if not request.HasField(field):
-            raise InvalidArgument(f"{field}: missing")
-        if tensor.shape and tensor.shape[0] > max_batch:
-            raise InvalidArgument(
-                f"{field}: batch of {tensor.shape[0]} exceeds --max-batch {max_batch}; split it"
-            )
-    x, y = (decode_tensor(tensor, what=field) for field, tensor in tensors.items())
-    return x, y
+def _decode(tensor: tensor_pb2.Tensor, what: str, max_batch: int) -> np.ndarray:
+    """An array viewing the tensor's bytes, its batch size checked before anything else."""
+    if tensor.shape and tensor.shape[0] > max_batch:
+        raise InvalidArgument(
+            f"{what}: batch of {tensor.shape[0]} exceeds --max-batch {max_batch}; split it"
+        )
+    return decode_tensor(tensor, what=what)
+
+
+def _decode_batch(
+    request: pb.GradientsRequest, max_batch: int
+) -> tuple[np.ndarray | dict[str, np.ndarray], np.ndarray]:
+    """Inputs (one array, or one per input name) and labels, viewing the request's bytes."""
+    if request.named_inputs and request.HasField("inputs"):
+        raise InvalidArgument("inputs: set `inputs` or `named_inputs`, not both")
+    if not request.named_inputs and not request.HasField("inputs"):
+        raise InvalidArgument("inputs: missing")
+    if not request.HasField("labels"):
+        raise InvalidArgument("labels: missing")
+    if request.named_inputs:
+        x = {
+            name: _decode(tensor, f"inputs[{name!r}]", max_batch)
+            for name, tensor in request.named_inputs.items()
+        }
+    else:
+        x = _decode(request.inputs, "inputs", max_batch)
+    return x, _decode(request.labels, "labels", max_batch)
 
 
 def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Settings) -> Work:

@@ -67,6 +67,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 for v in engine.variables
             ],
             input=_batched_spec("input", engine.input_spec.dtype, engine.input_spec.shape),
+            inputs=[_batched_spec(i.name, i.dtype, i.shape) for i in engine.input_specs],
             labels=_batched_spec("labels", engine.label_spec.dtype, engine.label_spec.shape),
             loss=engine.loss.description,
             num_classes=engine.label_spec.num_classes,

@@ -10,6 +10,7 @@ in a lossy way (floats to integers) or its value (out of range) are refused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -42,3 +43,35 @@ def cast(array: Any, dtype: np.dtype | str, *, what: str) -> np.ndarray:
         if overflowed.any():
             raise CastError(f"{what}: values outside the range of {dtype.name}")
     return out
+
+
+def arrays_by_input(x: Any, names: Sequence[str]) -> list[Any]:
+    """`x` as one value per model input, in the order of `names`: an array for a model of
+    one input, a mapping by input name, or a list in model order."""
+    names = list(names)
+    if isinstance(x, Mapping):
+        missing, unknown = sorted(set(names) - set(x)), sorted(set(x) - set(names))
+        if missing or unknown:
+            raise CastError(
+                f"inputs: the model's inputs are {names}; missing {missing}, unknown {unknown}"
+            )
+        return [x[name] for name in names]
+    if isinstance(x, list | tuple) and len(names) > 1:
+        if len(x) != len(names):
+            raise CastError(f"inputs: {len(x)} arrays for the model's inputs {names}")
+        return list(x)
+    if len(names) > 1:
+        raise CastError(
+            f"inputs: the model has inputs {names}; pass a mapping from these names to arrays"
+        )
+    return [x]
+
+
+def rows(x: Any, part: slice) -> Any:
+    """Examples `part` of inputs given as an array, a mapping or a list of arrays."""
+    if isinstance(x, Mapping):
+        return {name: value[part] for name, value in x.items()}
+    if isinstance(x, list | tuple):
+        return [value[part] for value in x]
+    return x[part]
+

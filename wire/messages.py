@@ -55,7 +55,7 @@ def _set_option(request: pb.GradientsRequest, option: Option, value: Any) -> Non
 
 def gradients_request(
     model: str,
-    x: np.ndarray,
+    x: np.ndarray | Mapping[str, np.ndarray],
     y: np.ndarray,
     *,
     reduction: Reduction,
@@ -65,17 +65,22 @@ def gradients_request(
     weights_id: str = "",
     request_id: int = 0,
 ) -> pb.GradientsRequest:
-    """A request for `reduction` with checked `options` (None or a default: not sent)."""
+    """A request for `reduction` with checked `options` (None or a default: not sent); `x`
+    one array (`inputs`) or one per input name (`named_inputs`)."""
     request = pb.GradientsRequest(
         model=model,
         model_version=model_version,
         weights_id=weights_id,
-        inputs=encode_tensor(x),
         labels=encode_tensor(y),
         request_id=request_id,
         reduction=reduction.number,
         variables=list(variables or ()),
     )
+    if isinstance(x, Mapping):
+        for name, array in x.items():
+            request.named_inputs[name].CopyFrom(encode_tensor(array))
+    else:
+        request.inputs.CopyFrom(encode_tensor(x))
     for option in reduction.options:
         value = options.get(option.name)
         if value is not None and not (value == option.default and not option.required):

@@ -1,16 +1,18 @@
 """Recording what per-layer rules need during one ordinary forward pass.
 
-While `capture` is active, each given layer's `call` is wrapped: it runs the layer's own
-code with the activation switched off to get the pre-activation output z, watches z on
-the tape (so the backward pass yields dL/dz), records (inputs, z), and then applies the
-activation. It is used while tracing a `tf.function`, so the wrapping costs nothing per
-request; a lock keeps two traces from patching the same layers at once.
+While `capture` is active, each given layer's `call` is wrapped: by default it runs the
+layer's own code with the activation switched off to get the pre-activation output z,
+watches z on the tape (so the backward pass yields dL/dz), records (inputs, z), and then
+applies the activation. A rule with a `forward` of its own (recurrent layers) computes
+the layer's outputs itself and says what to record and watch. It is used while tracing a
+`tf.function`, so the wrapping costs nothing per request; a lock keeps two traces from
+patching the same layers at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,15 +25,32 @@ _PATCH_LOCK = threading.RLock()
 
 @dataclass(frozen=True)
 class LayerCall:
+    """One call of a ruled layer: what its rule gets (`inputs`) and the watched tensors
+    whose gradients it gets (`outputs`: z, or a rule's own probes)."""
+
     layer: keras.layers.Layer
-    inputs: tf.Tensor
-    outputs: tf.Tensor
+    inputs: Any
+    outputs: Any
 
 
-def _recording(layer: keras.layers.Layer, tape: tf.GradientTape, calls: list[LayerCall]) -> Any:
+# A rule's own forward: (layer, tape, inputs, *args, **kwargs) -> (the layer's output,
+# what to record as inputs, what to watch and record as outputs).
+Forward = Callable[..., tuple[Any, Any, Any]]
+
+
+def _recording(
+    layer: keras.layers.Layer,
+    tape: tf.GradientTape,
+    calls: list[LayerCall],
+    forward: Forward | None,
+) -> Any:
     original = type(layer).call.__get__(layer)
 
-    def call(inputs: tf.Tensor, *args: Any, **kwargs: Any) -> tf.Tensor:
+    def call(inputs: tf.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if forward is not None:
+            output, recorded, watched = forward(layer, tape, inputs, *args, **kwargs)
+            calls.append(LayerCall(layer, recorded, watched))
+            return output
         activation = getattr(layer, "activation", None)
         if activation is not None:
             layer.activation = keras.activations.linear
@@ -49,15 +68,16 @@ def _recording(layer: keras.layers.Layer, tape: tf.GradientTape, calls: list[Lay
 
 @contextmanager
 def capture(
-    layers: Sequence[keras.layers.Layer], tape: tf.GradientTape
+    layers: Sequence[tuple[keras.layers.Layer, Forward | None]], tape: tf.GradientTape
 ) -> Iterator[list[LayerCall]]:
-    """Record every call of `layers` made inside the block, in call order."""
+    """Record every call of `layers` (each with its rule's forward, if any) made inside
+    the block, in call order."""
     calls: list[LayerCall] = []
     with _PATCH_LOCK:
-        for layer in layers:
-            layer.call = _recording(layer, tape, calls)
+        for layer, forward in layers:
+            layer.call = _recording(layer, tape, calls, forward)
         try:
             yield calls
         finally:
-            for layer in layers:
+            for layer, _ in layers:
                 del layer.call

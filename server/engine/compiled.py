@@ -1,8 +1,15 @@
 """Running the per-example pass as a compiled TensorFlow function, with or without XLA.
 
 XLA helps some models and hurts others on this CPU (B=256: transformer_block 37 ms with
-XLA vs 54 ms without; mnist_cnn 70 ms vs 21 ms), so "auto" times both on a probe batch
-and keeps XLA only when it is clearly faster.
+XLA vs 54 ms without; mnist_cnn 70 ms vs 21 ms), so "auto" times both on a probe batch,
+in alternating rounds, and keeps XLA only when it is clearly faster (by XLA_MARGIN): a
+close call goes to the plain graph, so replicas of one deployment agree on it. The
+choice is made once per model, when it loads, and logged; `--jit-compile on|off` pins it.
+
+A model with variables on the vectorized route takes XLA when it can: without it, pfor's
+batched matmuls crash TensorFlow 2.21's oneDNN kernels on MultiHeadAttention. When XLA
+cannot compile a model (a recurrent layer's while loop: TensorListReserve), "auto" runs
+it without XLA, which computes it correctly, and says so.
 
 Two cases need a static batch size: XLA compiles once per input shape, and the
 vectorized route (pfor) segfaults in TensorFlow 2.21's oneDNN kernels on
@@ -31,8 +38,10 @@ from pergrad.server.engine.ruled import per_example_function
 _LOGGER = logging.getLogger(__name__)
 
 JitCompile = bool | Literal["auto"]
-_XLA_MUST_BEAT = 0.9
+XLA_MARGIN = 0.85
+_ROUNDS = 7
 _PROBE_BATCH = 128
+Inputs = tuple[np.ndarray, ...]
 
 
 def bucket(count: int, cap: int) -> int:
@@ -41,7 +50,8 @@ def bucket(count: int, cap: int) -> int:
 
 
 class CompiledPass:
-    """(weights, x, y) -> (losses [n], {variable path: numpy Grad}) for one slice."""
+    """(weights, xs, y) -> (losses [n], {variable path: numpy Grad}) for one slice; xs
+    holds one array per model input."""
 
     def __init__(
         self,
@@ -65,69 +75,80 @@ class CompiledPass:
         self._vectorized = bool(plan.fallback)
         self._auto = jit_compile == "auto"
         self.slice_cap = 1
+        self.choice = "XLA on" if jit_compile is True else "XLA off"
+        self._functions: dict[tuple[bool, int | None], Any] = {}
         self._use(jit_compile is True)
 
     def _use(self, xla: bool) -> None:
         self.xla = xla
         self._static = xla or self._vectorized
-        self._functions: dict[int | None, Any] = {}
 
     def _function(self, size: int) -> Any:
         """The compiled function for a slice of `size` examples (one for all if not static)."""
-        key = size if self._static else None
+        key = (self.xla, size if self._static else None)
         if key not in self._functions:
-            self._functions[key] = self._build(self.xla, key)
+            self._functions[key] = self._build(*key)
         return self._functions[key]
 
     def __call__(
-        self, weights: Sequence[tf.Tensor], x: np.ndarray, y: np.ndarray
+        self, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray
     ) -> tuple[np.ndarray, dict[str, Grad]]:
-        count = x.shape[0]
+        count = y.shape[0]
         if self._static:
             size = bucket(count, max(self.slice_cap, count))
-            x, y = _pad(x, size), _pad(y, size)
-        losses, grads = self._function(x.shape[0])(list(weights), self._non_trainable, x, y)
+            xs, y = tuple(_pad(x, size) for x in xs), _pad(y, size)
+        function = self._function(y.shape[0])
+        losses, grads = function(list(weights), self._non_trainable, list(xs), y)
         kept = slice(0, count)
         return losses.numpy()[kept], {p: rows(to_numpy(g), kept) for p, g in grads.items()}
 
-    def choose(self, weights: Sequence[tf.Tensor], x: np.ndarray, y: np.ndarray) -> None:
-        """With jit_compile="auto", keep XLA only if it beats the plain graph on (x, y).
-
-        A model with variables on the vectorized route always takes XLA: without it,
-        pfor's batched matmuls crash TensorFlow 2.21's oneDNN kernels (heap corruption
-        in BatchMatMulMkl, seen on MultiHeadAttention at batch sizes from 2 to 256).
-        """
+    def choose(self, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray) -> None:
+        """With jit_compile="auto": XLA where it compiles and is clearly faster (or, for
+        the vectorized route, wherever it compiles); `choice` says what and why."""
         if not self._auto:
             return
-        if self._vectorized:
-            self._use(True)
-            _LOGGER.info("XLA on: the model has variables on the vectorized route")
+        if not self._compiles(weights, xs, y):
             return
-        times = {}
-        for xla in (False, True):
-            self._use(xla)
-            self(weights, x, y)
-            times[xla] = statistics.median(_seconds(self, weights, x, y) for _ in range(3))
-        self._use(times[True] < _XLA_MUST_BEAT * times[False])
-        _LOGGER.info(
-            "XLA %s: %.1f ms with, %.1f ms without, batch of %d",
-            "on" if self.xla else "off",
-            1000 * times[True],
-            1000 * times[False],
-            x.shape[0],
+        if self._vectorized:
+            self.choice = "XLA on: the model has variables on the vectorized route"
+            return
+        times: dict[bool, list[float]] = {False: [], True: []}
+        self._use(False)
+        self(weights, xs, y)  # XLA's function is traced and warm already
+        for _ in range(_ROUNDS):
+            for xla in (False, True):
+                self._use(xla)
+                times[xla].append(_seconds(self, weights, xs, y))
+        with_xla, without = (statistics.median(times[k]) for k in (True, False))
+        self._use(with_xla < XLA_MARGIN * without)
+        self.choice = (
+            f"XLA {'on' if self.xla else 'off'}: {1000 * with_xla:.1f} ms with, "
+            f"{1000 * without:.1f} ms without, medians of {_ROUNDS} on {y.shape[0]} examples"
         )
 
-    def probe_batch(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _compiles(self, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray) -> bool:
+        """Whether XLA compiles this model (it is left in use if so); if not, the plain
+        graph is used from now on and `choice` says why."""
+        self._use(True)
+        try:
+            self(weights, xs, y)
+        except (tf.errors.OpError, ValueError, TypeError) as err:
+            self._use(False)
+            self._functions.clear()
+            reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err)
+            self.choice = f"XLA off: it cannot compile this model ({reason})"
+            return False
+        return True
+
+    def probe_batch(self, xs: Inputs, y: np.ndarray) -> tuple[Inputs, np.ndarray]:
         """A batch of zero examples the size of a typical slice, for `choose`."""
         size = bucket(_PROBE_BATCH, self.slice_cap)
-        return _pad(x[:0], size), _pad(y[:0], size)
+        return tuple(_pad(x[:0], size) for x in xs), _pad(y[:0], size)
 
 
-def _seconds(
-    run: CompiledPass, weights: Sequence[tf.Tensor], x: np.ndarray, y: np.ndarray
-) -> float:
+def _seconds(run: CompiledPass, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray) -> float:
     start = time.perf_counter()
-    run(weights, x, y)
+    run(weights, xs, y)
     return time.perf_counter() - start
 
 

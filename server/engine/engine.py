@@ -26,12 +26,13 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.engine import reductions
-from pergrad.server.engine.batch import Batch, InputSpec, embedding_bound, make_batch
+from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.rules import LayerRegistry, default_registry
+from pergrad.server.engine.vectorized import model_inputs
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import CATALOGUE, NONE, OptionError
@@ -111,7 +112,8 @@ class Engine:
     """Per-example gradients of `model` under `loss` (default: the model's compiled loss).
 
     Args:
-        model: a built Keras 3 model with one input and one output.
+        model: a built Keras 3 model with one output and one input or several (a list or
+            a dict of inputs: batches then give one array per input, by name or in order).
         loss: a Keras loss object, name or config; the per-example loss is it unreduced.
         registry: per-layer rules (default: `rules.default_registry()`).
         slice_bytes: per-example tensors TensorFlow may hold at once; bounds peak memory.
@@ -132,13 +134,8 @@ class Engine:
             raise ValueError(f"model {model.name!r} has no compiled loss; pass loss=")
         self.model = model
         self.loss = PerExampleLoss(loss)
-        model_input = _single(model.inputs, "input", model)
         model_output = _single(model.outputs, "output", model)
-        self.input_spec = InputSpec(
-            np.dtype(model_input.dtype),
-            tuple(model_input.shape[1:]),
-            *embedding_bound(model, 0),
-        )
+        self.input_specs = input_specs(model)
         self.label_spec: LabelSpec = self.loss.label_spec(
             tuple(model_output.shape), model_output.dtype
         )
@@ -149,33 +146,40 @@ class Engine:
         self._pass = CompiledPass(
             model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
         )
-        x = np.zeros((2, *(d or 1 for d in self.input_spec.shape)), self.input_spec.dtype)
+        xs = tuple(np.zeros((2, *(d or 1 for d in s.shape)), s.dtype) for s in self.input_specs)
         y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
+        self.loss(y, model(model_inputs(model, xs), training=False))  # refuses a scalar loss
         weights = self.initial_weights()
-        self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes(weights, x, y)))
+        self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes(weights, xs, y)))
         if self.plan.fallback:
             self.slice_size = min(self.slice_size, FALLBACK_MAX_SLICE)
         self._pass.slice_cap = self.slice_size
-        self._pass.choose(weights, *self._pass.probe_batch(x, y))
+        self._pass.choose(weights, *self._pass.probe_batch(xs, y))
         _LOGGER.info("model %s: %s", model.name, self.summary)
+
+    @property
+    def input_spec(self) -> InputSpec:
+        """The first (for most models, the only) input."""
+        return self.input_specs[0]
 
     @property
     def summary(self) -> str:
         """What the engine does for this model, as the server logs it."""
         return (
             f"{len(self.variables)} variables, {self.num_parameters} parameters, slices of "
-            f"{self.slice_size} examples, XLA {'on' if self._pass.xla else 'off'}; "
-            f"{self.plan.describe()}"
+            f"{self.slice_size} examples, {self._pass.choice}; {self.plan.describe()}"
         )
 
-    def _tensorflow_bytes(self, weights: Sequence[tf.Tensor], x: np.ndarray, y: np.ndarray) -> int:
+    def _tensorflow_bytes(
+        self, weights: Sequence[tf.Tensor], xs: tuple[np.ndarray, ...], y: np.ndarray
+    ) -> int:
         """Bytes per example of the per-example tensors TensorFlow forms (not factored ones).
 
         Runs the pass once on two zero examples, which also keeps tracing out of the
         first request's latency, and records in `factored` which variables' gradients
         come factored ("outer" or "scatter").
         """
-        _, grads = self._pass(weights, x, y)
+        _, grads = self._pass(weights, xs, y)
         self.factored = {
             name: type(g).__name__.lower()
             for name, g in grads.items()
@@ -190,7 +194,7 @@ class Engine:
     def batch(self, x: Any, y: Any, *, cast_dtypes: bool = True) -> Batch:
         """(x, y) cast to the model's dtypes (unless `cast_dtypes=False`: then they must
         be exactly those) and checked: a batch the model can take."""
-        return make_batch(x, y, self.input_spec, self.label_spec, cast_dtypes=cast_dtypes)
+        return make_batch(x, y, self.input_specs, self.label_spec, cast_dtypes=cast_dtypes)
 
     def select(self, variables: Sequence[str] | None) -> tuple[VariableSpec, ...]:
         """The named variables in model order (all for None); unknown names are refused."""
@@ -211,7 +215,7 @@ class Engine:
         for start in range(0, batch.size, self.slice_size):
             stop = min(start + self.slice_size, batch.size)
             try:
-                losses, grads = self._pass(weights, batch.x[start:stop], batch.y[start:stop])
+                losses, grads = self._pass(weights, *batch.rows(slice(start, stop)))
             except tf.errors.InvalidArgumentError as err:
                 raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
             numpy_grads = [self._grad_or_zeros(grads, v, stop - start) for v in self.variables]

@@ -1,7 +1,16 @@
 """Per-example losses: any Keras loss, unreduced, one value per example.
 
 A Keras loss reduces over the batch; pergrad needs `loss_i` for each example i so that
-the batch loss is their mean. Axes beyond the batch (e.g. time steps) are averaged.
+the batch loss is their mean. For a `keras.losses.Loss` object (built-in or a subclass
+of the user's) that is its `call`, which returns the values before `__call__` reduces
+them; a plain function `fn(y_true, y_pred)` (a Keras loss function or the user's own) is
+called as it is. Axes beyond the batch (time steps, a multi-label loss's labels when the
+function keeps them) are averaged, as Keras' own mean over all values does. A loss that
+returns one value for the whole batch cannot be split per example and is refused.
+
+Labels: class indices [B, *] (int32) for sparse categorical crossentropy, else labels
+shaped like the model's output, in its dtype (one-hot crossentropy, binary and
+multi-label crossentropy, MSE, MAE, Huber, a custom function).
 """
 
 from __future__ import annotations
@@ -27,22 +36,38 @@ class LabelSpec:
     num_classes: int
 
 
+def _function(loss: Any) -> tuple[Any, str, dict[str, Any]]:
+    """(per-example function, its name, the options that change its value)."""
+    resolved = keras.losses.get(loss) if isinstance(loss, str | dict) else loss
+    if isinstance(resolved, keras.losses.Loss):
+        try:
+            config = resolved.get_config()
+        except NotImplementedError:
+            config = {}
+        options = {k: v for k, v in config.items() if k == "from_logits"}
+
+        def unreduced(y_true: tf.Tensor, y_pred: tf.Tensor) -> tf.Tensor:
+            """`resolved(y_true, y_pred)` as Loss.__call__ computes it, without reducing."""
+            dtype = resolved.dtype
+            y_true = keras.ops.convert_to_tensor(y_true, dtype=dtype)
+            return resolved.call(y_true, keras.ops.convert_to_tensor(y_pred, dtype=dtype))
+
+        return unreduced, type(resolved).__name__, options
+    if resolved is None or not callable(resolved):
+        raise ValueError(
+            f"not a loss pergrad can use: {loss!r}; give a Keras loss (object, name or "
+            "config) or a function of (y_true, y_pred) returning one value per example"
+        )
+    return resolved, getattr(resolved, "__name__", type(resolved).__name__), {}
+
+
 class PerExampleLoss:
-    """Wraps a Keras loss (object, name or serialized config) to return a [B] vector."""
+    """Wraps a Keras loss (object, name, config or function) to return a [B] vector."""
 
     def __init__(self, loss: Any) -> None:
-        resolved = keras.losses.get(loss) if isinstance(loss, str | dict) else loss
-        if resolved is None or not callable(resolved):
-            raise ValueError(f"not a Keras loss: {loss!r}")
-        if isinstance(resolved, keras.losses.Loss):
-            config = {**resolved.get_config(), "reduction": None}
-            self._fn = type(resolved).from_config(config)
-            self._kind = type(resolved).__name__
-            options = {k: v for k, v in config.items() if k == "from_logits"}
-        else:
-            self._fn = resolved
-            self._kind = resolved.__name__
-            options = {}
+        if isinstance(loss, list | tuple) or (isinstance(loss, dict) and "class_name" not in loss):
+            raise ValueError("a loss per output: pergrad serves models of one output and loss")
+        self._fn, self._kind, options = _function(loss)
         args = ", ".join(f"{k}={v}" for k, v in options.items())
         self.description = f"{self._kind}({args})"
 
@@ -60,6 +85,11 @@ class PerExampleLoss:
     def __call__(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         values = self._fn(labels, outputs)
         rank = len(values.shape)
+        if rank == 0:
+            raise ValueError(
+                f"loss {self.description} returns one value for the whole batch; pergrad "
+                "needs one per example: return the values before averaging over the batch"
+            )
         return tf.reduce_mean(values, axis=list(range(1, rank))) if rank > 1 else values
 
 

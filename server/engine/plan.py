@@ -27,16 +27,19 @@ def _own_trainable(layer: keras.layers.Layer) -> list[keras.Variable]:
 
 
 def make_plan(model: keras.Model, registry: LayerRegistry) -> Plan:
-    ruled, reasons, covered = [], [], set()
+    """A layer with a rule covers every variable it holds, its sublayers' too (a
+    recurrent layer's cell); any other layer is planned by its own variables."""
+    ruled, reasons, covered, explained = [], [], set(), set()
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        own = _own_trainable(layer)
-        if not own:
+        held = [v for v in layer.trainable_variables if id(v) not in covered]
+        if not held:
             continue
         rule, why = registry.lookup(layer)
-        if rule is None:
+        if rule is not None:
+            ruled.append((layer, rule))
+            covered |= {id(v) for v in held}
+        elif {id(v) for v in held} - explained and (_own_trainable(layer) or registry.knows(layer)):
             reasons.append((layer.name, why))
-            continue
-        ruled.append((layer, rule))
-        covered |= {id(v) for v in own}
+            explained |= {id(v) for v in held}
     fallback = tuple(i for i, v in enumerate(model.trainable_variables) if id(v) not in covered)
     return Plan(tuple(ruled), fallback, tuple(reasons))

@@ -10,6 +10,7 @@ engine uses it for the variables of layers that no closed-form rule covers.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -17,12 +18,20 @@ import tensorflow as tf
 from pergrad.server.engine.losses import PerExampleLoss
 
 
+def model_inputs(model: keras.Model, xs: Sequence[tf.Tensor]) -> Any:
+    """One tensor per model input, in model order, as the model takes them: the tensor
+    itself for one input, else the model's own structure (a list, or a dict by name)."""
+    if len(xs) == 1:
+        return xs[0]
+    return keras.tree.pack_sequence_as(model._inputs_struct, list(xs))
+
+
 def forward_loss(
     model: keras.Model,
     loss: PerExampleLoss,
     trainable: Sequence[tf.Tensor],
     non_trainable: Sequence[tf.Tensor],
-    x: tf.Tensor,
+    xs: Sequence[tf.Tensor],
     y: tf.Tensor,
 ) -> tf.Tensor:
     """Per-example losses [B] of the model in inference mode with the given weights.
@@ -30,7 +39,8 @@ def forward_loss(
     The weights are arguments, not the model's variables: a request computes against
     the immutable snapshot it was given, whatever SetWeights does meanwhile.
     """
-    outputs, _ = model.stateless_call(list(trainable), list(non_trainable), x, training=False)
+    inputs = model_inputs(model, xs)
+    outputs, _ = model.stateless_call(list(trainable), list(non_trainable), inputs, training=False)
     return loss(y, outputs)
 
 
@@ -39,7 +49,7 @@ def vectorized_gradients(
     loss: PerExampleLoss,
     trainable: Sequence[tf.Tensor],
     non_trainable: Sequence[tf.Tensor],
-    x: tf.Tensor,
+    xs: Sequence[tf.Tensor],
     y: tf.Tensor,
     positions: Sequence[int],
 ) -> tuple[tf.Tensor, list[tf.Tensor]]:
@@ -49,12 +59,13 @@ def vectorized_gradients(
     """
     trainable = list(trainable)
 
-    def one_example(example: tuple[tf.Tensor, tf.Tensor]) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        xi, yi = example
+    def one_example(example: tuple[tuple[tf.Tensor, ...], tf.Tensor]) -> tuple[tf.Tensor, list]:
+        xsi, yi = example
         sources = [trainable[i] for i in positions]
         with tf.GradientTape() as tape:
             tape.watch(sources)
-            loss_i = forward_loss(model, loss, trainable, non_trainable, xi[None], yi[None])
+            one = [xi[None] for xi in xsi]
+            loss_i = forward_loss(model, loss, trainable, non_trainable, one, yi[None])
         return loss_i[0], tape.gradient(loss_i, sources)
 
-    return tf.vectorized_map(one_example, (x, y))
+    return tf.vectorized_map(one_example, (tuple(xs), y))

@@ -14,7 +14,7 @@ from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
 from pergrad.server.errors import NotFound
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
-from pergrad.server.models.keras_file import load_keras_file, resolve_model_path
+from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.weights import WeightsStore
 
 _LOGGER = logging.getLogger(__name__)
@@ -30,7 +30,10 @@ class ServedModel:
 def serve_model(
     name: str, model: keras.Model, *, loss: Any = None, jit_compile: JitCompile = "auto"
 ) -> ServedModel:
-    engine = Engine(model, loss=loss, jit_compile=jit_compile)
+    try:
+        engine = Engine(model, loss=loss, jit_compile=jit_compile)
+    except ValueError as err:
+        raise ModelLoadError(f"model {name!r} cannot be served: {err}") from err
     return ServedModel(name, engine, WeightsStore(engine.variables, engine.initial_weights()))
 
 

@@ -47,7 +47,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id")
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ModelInfo(_message.Message):
     NUM_CLASSES_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_version: int
     variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
@@ -66,7 +67,8 @@ class ModelInfo(_message.Message):
     num_classes: int
     server: str
     weights_id: str
-    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
+    inputs: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class GetWeightsRequest(_message.Message):
     __slots__ = ("model",)
@@ -107,8 +109,15 @@ class SetWeightsResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class GradientsRequest(_message.Message):
-    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype", "weights_id")
+    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype", "weights_id", "named_inputs")
     class ReferenceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _tensor_pb2.Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    class NamedInputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +139,7 @@ class GradientsRequest(_message.Message):
     PROJECTION_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     inputs: _tensor_pb2.Tensor
@@ -145,7 +155,8 @@ class GradientsRequest(_message.Message):
     projection: ProjectionKind
     wire_dtype: _tensor_pb2.DataType
     weights_id: str
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., weights_id: _Optional[str] = ...) -> None: ...
+    named_inputs: _containers.MessageMap[str, _tensor_pb2.Tensor]
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., weights_id: _Optional[str] = ..., named_inputs: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ...) -> None: ...
 
 class ResultTensor(_message.Message):
     __slots__ = ("field", "tensor")

@@ -37,6 +37,9 @@ def always(layer: keras.layers.Layer) -> str | None:
 class Rule:
     per_example: RuleFn
     applies: Callable[[keras.layers.Layer], str | None] = always
+    # For layers whose per-example gradients need more than (inputs, dL/dz): computes the
+    # layer's output itself, recording what `per_example` then gets (see `capture`).
+    forward: Callable[..., tuple[Any, Any, Any]] | None = None
 
 
 class LayerRegistry:
@@ -47,6 +50,10 @@ class LayerRegistry:
 
     def register(self, layer_class: type, rule: Rule) -> None:
         self._rules[layer_class] = rule
+
+    def knows(self, layer: keras.layers.Layer) -> bool:
+        """Whether a rule exists for this layer's class (whether or not it applies)."""
+        return type(layer) in self._rules
 
     def lookup(self, layer: keras.layers.Layer) -> tuple[Rule | None, str]:
         """(rule, "") when one covers `layer`, else (None, the reason)."""

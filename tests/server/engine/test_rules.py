@@ -104,8 +104,44 @@ CASES: dict[str, Callable[[], keras.Model]] = {
         ),
     ),
     "shared_dense_called_twice": lambda: _shared_dense(),
+    "lstm": lambda: _text(lambda h: L.LSTM(5, **_recurrent(20))(h)),
+    "lstm_over_features": lambda: _model((6, 3), lambda x: L.LSTM(4, **_recurrent(21))(x)),
+    "lstm_masked_sequences": lambda: _text(
+        lambda h: L.LSTM(4, return_sequences=True, **_recurrent(22))(h), mask_zero=True
+    ),
+    "gru_sequences_pooled": lambda: _text(
+        lambda h: L.GlobalAveragePooling1D()(L.GRU(5, return_sequences=True, **_recurrent(23))(h))
+    ),
+    "gru_masked": lambda: _text(lambda h: L.GRU(4, **_recurrent(24))(h), mask_zero=True),
+    "simple_rnn_backwards": lambda: _text(
+        lambda h: L.SimpleRNN(5, go_backwards=True, **_recurrent(25))(h)
+    ),
+    "bidirectional_lstm": lambda: _text(
+        lambda h: L.Bidirectional(L.LSTM(3, return_sequences=True, **_recurrent(26)))(h)
+    ),
+    "stacked_gru_lstm": lambda: _text(
+        lambda h: L.LSTM(3, **_recurrent(28))(L.GRU(4, return_sequences=True, **_recurrent(27))(h))
+    ),
+    "lstm_return_state": lambda: _text(
+        lambda h: L.Concatenate()(L.LSTM(3, return_state=True, **_recurrent(29))(h))
+    ),
     "position_embedding": lambda: _model((5, 3), lambda x: PositionEmbedding(_init(9))(x)),
 }
+
+
+def _recurrent(seed: int) -> dict:
+    """Seeded kernels and non-zero biases for a recurrent layer."""
+    return {
+        "kernel_initializer": _init(seed),
+        "recurrent_initializer": _init(seed + 100),
+        "bias_initializer": keras.initializers.RandomNormal(0.0, 0.3, seed=seed + 200),
+    }
+
+
+def _text(body: Callable, *, mask_zero: bool = False) -> keras.Model:
+    """Token ids [B, 7] in [0, 20) -> embeddings -> body -> head."""
+    embedded = lambda x: L.Embedding(20, 4, embeddings_initializer=_init(6), mask_zero=mask_zero)(x)  # noqa: E731
+    return _model((7,), lambda x: body(embedded(x)), dtype="int32")
 
 
 def _batch_norm() -> keras.layers.BatchNormalization:
@@ -222,3 +258,37 @@ def test_xla_compiled_rule_matches_batch_size_one_loop(case: str) -> None:
     engine = Engine(CASES[case](), loss=LOSS, jit_compile=True)
     assert "XLA on" in engine.summary
     _check_against_loop(engine, batch=5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "lstm",
+        "gru_sequences_pooled",
+        "simple_rnn_backwards",
+        "bidirectional_lstm",
+        "stacked_gru_lstm",
+    ],
+)
+def test_recurrent_models_in_auto_mode_match_batch_size_one_loop(case: str) -> None:
+    engine = Engine(CASES[case](), loss=LOSS, jit_compile="auto")
+    assert engine.plan.fallback == (), engine.plan.describe()
+    _check_against_loop(engine, batch=5)
+
+
+def test_auto_mode_runs_without_xla_where_xla_cannot_compile() -> None:
+    """A recurrent layer over sequences of any length has no rule (no fixed time axis):
+    its vectorized route holds a while loop XLA cannot compile, so "auto" runs it without."""
+    tokens = keras.Input((None,), dtype="int32")
+    h = L.Embedding(20, 4, embeddings_initializer=_init(6))(tokens)
+    model = keras.Model(tokens, _head(L.LSTM(3, name="lstm", **_recurrent(30))(h)))
+    engine = Engine(model, loss=LOSS, jit_compile="auto")
+    assert engine.plan.describe().endswith(
+        "vectorized fallback: lstm (LSTM over a time axis of unknown length)"
+    )
+    assert "XLA off: it cannot compile this model" in engine.summary
+    x = np.random.default_rng(3).integers(0, 20, size=(4, 9)).astype(np.int32)
+    y = np.arange(4, dtype=np.int32) % 4
+    result = engine.per_example_gradients(x, y)
+    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
