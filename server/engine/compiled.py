@@ -7,7 +7,8 @@ close call goes to the plain graph, so replicas of one deployment agree on it. T
 choice is made once per model, when it loads, and logged; `--jit-compile on|off` pins it.
 
 A model with variables on the vectorized route takes XLA when it can: without it, pfor's
-batched matmuls crash TensorFlow 2.21's oneDNN kernels on MultiHeadAttention. When XLA
+batched matmuls crash TensorFlow 2.21's oneDNN kernels on MultiHeadAttention, so such
+models run their examples in a graph loop instead (`vectorized.pfor_safe`). When XLA
 cannot compile a model (a recurrent layer's while loop: TensorListReserve), "auto" runs
 it without XLA, which computes it correctly, and says so.
 
@@ -34,6 +35,7 @@ from pergrad.server.engine.grads import Grad, rows, to_numpy
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import Plan
 from pergrad.server.engine.ruled import per_example_function
+from pergrad.server.engine.vectorized import pfor_safe
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class CompiledPass:
         *,
         jit_compile: JitCompile,
     ) -> None:
+        pfor = pfor_safe(model)
         self._build = lambda jit, size: per_example_function(
             model,
             loss,
@@ -70,6 +73,7 @@ class CompiledPass:
             label_dtype=tf.as_dtype(label_spec.dtype),
             jit_compile=jit,
             batch_size=size,
+            vectorize=jit or pfor,
         )
         self._non_trainable = [v.value for v in model.non_trainable_variables]
         self._vectorized = bool(plan.fallback)

@@ -27,21 +27,21 @@ import tensorflow as tf
 
 from pergrad.server.engine import reductions
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
+from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
-from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
+from pergrad.server.engine.grads import Grad, Outer, Scatter
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.rules import LayerRegistry, default_registry
+from pergrad.server.engine.sinks import FullGradients, Reduced, Sink
 from pergrad.server.engine.vectorized import model_inputs
 from pergrad.server.errors import Cancelled, InvalidArgument
-from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import CATALOGUE, NONE, OptionError
 from pergrad.wire.results import GradientResult
 
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_SLICE_BYTES = 64 << 20
-DEFAULT_BLOCK_BYTES = 16 << 20
 # TensorFlow 2.21's oneDNN kernels segfault on vectorized_map of MultiHeadAttention at
 # B >= 64 (benchmarks/engine.py, transformer_block); slices that take the vectorized
 # route stay below that.
@@ -66,16 +66,6 @@ class Slice(NamedTuple):
     stop: int
     losses: np.ndarray
     grads: list[Grad]
-
-
-@dataclass(frozen=True)
-class SliceResult:
-    """Examples [start, stop) of a batch: losses [n] and one [n, *shape] per selected variable."""
-
-    start: int
-    stop: int
-    losses: np.ndarray
-    gradients: list[np.ndarray]
 
 
 def _first_line(err: tf.errors.OpError) -> str:
@@ -191,6 +181,10 @@ class Engine:
         """The model's own trainable values, as immutable tensors."""
         return tuple(tf.identity(v.value) for v in self.model.trainable_variables)
 
+    def weights(self, trainable: Sequence[tf.Tensor] | None) -> tuple[tf.Tensor, ...]:
+        """`trainable` (a snapshot's), or the model's own values."""
+        return tuple(trainable) if trainable is not None else self.initial_weights()
+
     def batch(self, x: Any, y: Any, *, cast_dtypes: bool = True) -> Batch:
         """(x, y) cast to the model's dtypes (unless `cast_dtypes=False`: then they must
         be exactly those) and checked: a batch the model can take."""
@@ -208,18 +202,22 @@ class Engine:
             )
         return tuple(v for v in self.variables if v.name in set(variables))
 
-    def _slices(
-        self, batch: Batch, trainable: Sequence[tf.Tensor] | None
-    ) -> Iterator[Slice]:
-        weights = tuple(trainable) if trainable is not None else self.initial_weights()
+    def slices(self, batch: Batch, trainable: Sequence[tf.Tensor] | None) -> Iterator[Slice]:
+        weights = self.weights(trainable)
         for start in range(0, batch.size, self.slice_size):
             stop = min(start + self.slice_size, batch.size)
-            try:
-                losses, grads = self._pass(weights, *batch.rows(slice(start, stop)))
-            except tf.errors.InvalidArgumentError as err:
-                raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
-            numpy_grads = [self._grad_or_zeros(grads, v, stop - start) for v in self.variables]
-            yield Slice(start, stop, losses, numpy_grads)
+            xs, y = batch.rows(slice(start, stop))
+            yield Slice(start, stop, *self.run_pass(weights, xs, y, stop - start))
+
+    def run_pass(
+        self, weights: tuple[tf.Tensor, ...], xs: tuple[np.ndarray, ...], y: np.ndarray, count: int
+    ) -> tuple[np.ndarray, list[Grad]]:
+        """One compiled pass: losses and every variable's numpy per-example gradient."""
+        try:
+            losses, grads = self._pass(weights, xs, y)
+        except tf.errors.InvalidArgumentError as err:
+            raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
+        return losses, [self._grad_or_zeros(grads, v, count) for v in self.variables]
 
     @staticmethod
     def _grad_or_zeros(grads: dict[str, Grad], variable: VariableSpec, count: int) -> Grad:
@@ -232,60 +230,46 @@ class Engine:
         """`blocks` of the batch (x, y), cast and checked here."""
         return self.blocks(self.batch(x, y), **kwargs)
 
-    def blocks(
-        self,
-        batch: Batch,
-        *,
-        variables: Sequence[str] | None = None,
-        trainable: Sequence[tf.Tensor] | None = None,
-        block_bytes: int = DEFAULT_BLOCK_BYTES,
-        buffer_sets: int = 1,
-    ) -> Iterator[SliceResult]:
-        """Full per-example gradients in blocks of about `block_bytes` of examples.
-
-        Blocks take turns over `buffer_sets` sets of arrays: a block's arrays are
-        overwritten `buffer_sets` blocks later, so consume them before then.
-        """
-        selected = self.select(variables)
-        bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected)
-        block = max(1, min(self.slice_size, block_bytes // bytes_per_example))
-        buffers = [
-            [np.empty((block, *v.shape), v.dtype) for v in selected] for _ in range(buffer_sets)
-        ]
-        return self._blocks(self._slices(batch, trainable), selected, block, buffers)
-
-    @staticmethod
-    def _blocks(
-        slices: Iterator[Slice],
-        selected: Sequence[VariableSpec],
-        block: int,
-        buffers: list[list[np.ndarray]],
-    ) -> Iterator[SliceResult]:
-        turn = 0
-        for part in slices:
-            for lo in range(0, part.stop - part.start, block):
-                hi = min(lo + block, part.stop - part.start)
-                outs = [buffer[: hi - lo] for buffer in buffers[turn % len(buffers)]]
-                turn += 1
-                for v, out in zip(selected, outs, strict=True):
-                    materialize(rows(part.grads[v.index], slice(lo, hi)), out)
-                yield SliceResult(part.start + lo, part.start + hi, part.losses[lo:hi], outs)
+    def blocks(self, batch: Batch, **kwargs: Any) -> Iterator[SliceResult]:
+        """Full per-example gradients of `batch` in blocks (`blocks.full_gradient_blocks`)."""
+        return full_gradient_blocks(self, batch, **kwargs)
 
     def per_example_gradients(self, x: Any, y: Any, **kwargs: Any) -> GradientResult:
         """`compute` on the batch (x, y), cast and checked here (float64 -> float32,
         int64 -> int32 where nothing is lost)."""
         return self.compute(self.batch(x, y), **kwargs)
 
+    def sink(
+        self,
+        size: int,
+        *,
+        reduction: str = NONE,
+        variables: Sequence[str] | None = None,
+        out: GradientResult | None = None,
+        **options: Any,
+    ) -> Sink:
+        """Where the results of a request of `size` examples go, its options checked."""
+        try:
+            entry = CATALOGUE.get(reduction)
+            checked = CATALOGUE.check_options(entry, options)
+        except OptionError as err:
+            raise InvalidArgument(str(err)) from None
+        selected = self.select(variables)
+        name = self.model.name
+        if entry.name == NONE:
+            return FullGradients(
+                size, selected, self.loss_dtype, name, out=out, wire_dtype=checked["wire_dtype"]
+            )
+        reduce = reductions.make_reduction(entry.name, selected, checked)
+        return Reduced(size, selected, reduce, self.loss_dtype, name)
+
     def compute(
         self,
         batch: Batch,
         *,
-        reduction: str = NONE,
-        variables: Sequence[str] | None = None,
         trainable: Sequence[tf.Tensor] | None = None,
-        out: GradientResult | None = None,
         cancelled: Callable[[], bool] | None = None,
-        **options: Any,
+        **request: Any,
     ) -> GradientResult:
         """Per-example losses [B] and, by `reduction`, full gradients or a reduction of them.
 
@@ -298,59 +282,8 @@ class Engine:
         variables. `cancelled` is asked between slices; when it answers True the work
         stops with `Cancelled`.
         """
-        try:
-            entry = CATALOGUE.get(reduction)
-            checked = CATALOGUE.check_options(entry, options)
-        except OptionError as err:
-            raise InvalidArgument(str(err)) from None
-        selected = self.select(variables)
-        slices = self._slices(batch, trainable)
-        if entry.name != NONE:
-            reduce = reductions.make_reduction(entry.name, selected, checked)
-            return self._reduce(batch.size, slices, selected, reduce, cancelled)
-        result = out if out is not None else self._allocate(batch.size, selected)
-        self._check_out(result, batch.size, selected)
-        for part in slices:
+        sink = self.sink(batch.size, **request)
+        for part in self.slices(batch, trainable):
             _stop_if(cancelled, part.start, batch.size)
-            result.losses[part.start : part.stop] = part.losses
-            for v in selected:
-                materialize(part.grads[v.index], result.gradients[v.name][part.start : part.stop])
-        if checked["wire_dtype"]:  # in-process there is no wire: the gradients' dtype
-            dtype = dtype_named(checked["wire_dtype"])
-            result.gradients = {k: g.astype(dtype) for k, g in result.gradients.items()}
-        return result
-
-    def _reduce(
-        self,
-        size: int,
-        slices: Iterator[Slice],
-        selected: Sequence[VariableSpec],
-        reduction: reductions.Reduction,
-        cancelled: Callable[[], bool] | None,
-    ) -> GradientResult:
-        losses = np.empty(size, self.loss_dtype)
-        for part in slices:
-            _stop_if(cancelled, part.start, size)
-            losses[part.start : part.stop] = part.losses
-            reduction.add({v.name: part.grads[v.index] for v in selected})
-        return GradientResult(losses, model=self.model.name, **reduction.finish())
-
-    def _allocate(self, batch: int, selected: Sequence[VariableSpec]) -> GradientResult:
-        return GradientResult(
-            np.empty(batch, self.loss_dtype),
-            gradients={v.name: np.empty((batch, *v.shape), v.dtype) for v in selected},
-            model=self.model.name,
-        )
-
-    @staticmethod
-    def _check_out(result: GradientResult, batch: int, selected: Sequence[VariableSpec]) -> None:
-        for v in selected:
-            array = result.gradients.get(v.name)
-            if (
-                array is None
-                or array.shape != (batch, *v.shape)
-                or array.dtype != v.dtype
-                or not array.flags.c_contiguous
-                or not array.flags.writeable
-            ):
-                raise ValueError(f"out= does not fit a batch of {batch}: see {v.name!r}")
+            sink.add(part.start, part.losses, part.grads)
+        return sink.finish()

@@ -5,7 +5,8 @@ the batch loss is their mean. For a `keras.losses.Loss` object (built-in or a su
 of the user's) that is its `call`, which returns the values before `__call__` reduces
 them; a plain function `fn(y_true, y_pred)` (a Keras loss function or the user's own) is
 called as it is. Axes beyond the batch (time steps, a multi-label loss's labels when the
-function keeps them) are averaged, as Keras' own mean over all values does. A loss that
+function keeps them) are averaged, as Keras' own mean over all values does, leaving out
+steps a mask excludes (the model's output mask, or the loss's own: ignore_class). A loss that
 returns one value for the whole batch cannot be split per example and is refused.
 
 Labels: class indices [B, *] (int32) for sparse categorical crossentropy, else labels
@@ -21,6 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend import get_keras_mask
 
 from pergrad.server.errors import InvalidArgument
 
@@ -83,6 +85,7 @@ class PerExampleLoss:
         return LabelSpec(np.dtype(output_dtype), per_example, 0)
 
     def __call__(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        in_mask = get_keras_mask(outputs)
         values = self._fn(labels, outputs)
         rank = len(values.shape)
         if rank == 0:
@@ -90,7 +93,22 @@ class PerExampleLoss:
                 f"loss {self.description} returns one value for the whole batch; pergrad "
                 "needs one per example: return the values before averaging over the batch"
             )
-        return tf.reduce_mean(values, axis=list(range(1, rank))) if rank > 1 else values
+        mask = _both(in_mask, get_keras_mask(values))
+        axes = list(range(1, rank))
+        if mask is None:
+            return tf.reduce_mean(values, axis=axes) if axes else values
+        # As Keras' Loss.__call__ on one example: the mean over its steps not masked
+        # (a mask from the model's output, or the loss's own, e.g. ignore_class).
+        kept = tf.broadcast_to(tf.cast(mask, values.dtype), tf.shape(values))
+        total = tf.reduce_sum(values * kept, axis=axes) if axes else values * kept
+        count = tf.reduce_sum(kept, axis=axes) if axes else kept
+        return total / (count + keras.backend.epsilon())
+
+
+def _both(first: Any, second: Any) -> Any:
+    if first is None or second is None:
+        return second if first is None else first
+    return tf.logical_and(tf.cast(first, tf.bool), tf.cast(second, tf.bool))
 
 
 def check_labels(labels: np.ndarray, spec: LabelSpec) -> None:

@@ -54,13 +54,15 @@ def per_example_function(
     label_dtype: tf.DType,
     jit_compile: bool = False,
     batch_size: int | None = None,
+    vectorize: bool = True,
 ) -> PerExampleFn:
     """(trainable, non_trainable, xs, y) -> (losses [B], {variable path: Grad}); xs holds
     one tensor per model input.
 
     A fixed input signature makes each call cheaper than shape-keyed retracing (about
     1.5 ms less here). With `batch_size` the batch dimension is static in it, so the
-    function handles exactly that many examples; else any number.
+    function handles exactly that many examples; else any number. `vectorize` as in
+    `vectorized_gradients`, for the variables no rule covers.
     """
     paths = [v.path for v in model.trainable_variables]
     signature = [
@@ -78,7 +80,7 @@ def per_example_function(
             losses, grads = _ruled_pass(model, loss, plan, trainable, non_trainable, xs, y)
         if plan.fallback:
             fallback_losses, fallback = vectorized_gradients(
-                model, loss, trainable, non_trainable, xs, y, plan.fallback
+                model, loss, trainable, non_trainable, xs, y, plan.fallback, vectorize=vectorize
             )
             losses = fallback_losses if losses is None else losses
             grads |= {paths[i]: g for i, g in zip(plan.fallback, fallback, strict=True)}

@@ -1,0 +1,110 @@
+"""Where one request's per-example results go as slices of them are computed: full
+gradients written into the result's arrays, or a reduction fed. A sink sees only its
+own request's rows, so requests that share a pass (`Engine.compute_group`) each get
+exactly what they would alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from pergrad.server.engine import reductions
+from pergrad.server.engine.grads import Grad, materialize
+from pergrad.wire.casting import dtype_named
+from pergrad.wire.results import GradientResult
+
+
+class Variable(Protocol):
+    index: int
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+class Sink(Protocol):
+    size: int
+
+    def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
+        """Rows [start, start + len(losses)) of the request; grads in model order."""
+
+    def finish(self) -> GradientResult: ...
+
+
+class FullGradients:
+    """Writes every selected variable's per-example gradient into the result's arrays
+    (`out`, a previous result of the same shape, is refilled), cast to `wire_dtype`."""
+
+    def __init__(
+        self,
+        size: int,
+        selected: Sequence[Variable],
+        loss_dtype: np.dtype,
+        model: str,
+        *,
+        out: GradientResult | None = None,
+        wire_dtype: str | None = None,
+    ) -> None:
+        self.size, self._selected, self._wire = size, selected, wire_dtype
+        self.result = out if out is not None else _allocate(size, selected, loss_dtype, model)
+        _check_out(self.result, size, selected)
+
+    def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
+        stop = start + len(losses)
+        self.result.losses[start:stop] = losses
+        for v in self._selected:
+            materialize(grads[v.index], self.result.gradients[v.name][start:stop])
+
+    def finish(self) -> GradientResult:
+        if self._wire:  # in-process there is no wire: the gradients' dtype
+            dtype = dtype_named(self._wire)
+            gradients = self.result.gradients
+            self.result.gradients = {k: g.astype(dtype) for k, g in gradients.items()}
+        return self.result
+
+
+class Reduced:
+    """Feeds a reduction the selected variables' per-example gradients."""
+
+    def __init__(
+        self,
+        size: int,
+        selected: Sequence[Variable],
+        reduction: reductions.Reduction,
+        loss_dtype: np.dtype,
+        model: str,
+    ) -> None:
+        self.size, self._selected, self._reduction, self._model = size, selected, reduction, model
+        self._losses = np.empty(size, loss_dtype)
+
+    def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
+        self._losses[start : start + len(losses)] = losses
+        self._reduction.add({v.name: grads[v.index] for v in self._selected})
+
+    def finish(self) -> GradientResult:
+        return GradientResult(self._losses, model=self._model, **self._reduction.finish())
+
+
+def _allocate(
+    batch: int, selected: Sequence[Variable], loss_dtype: np.dtype, model: str
+) -> GradientResult:
+    return GradientResult(
+        np.empty(batch, loss_dtype),
+        gradients={v.name: np.empty((batch, *v.shape), v.dtype) for v in selected},
+        model=model,
+    )
+
+
+def _check_out(result: GradientResult, batch: int, selected: Sequence[Variable]) -> None:
+    for v in selected:
+        array = result.gradients.get(v.name)
+        if (
+            array is None
+            or array.shape != (batch, *v.shape)
+            or array.dtype != v.dtype
+            or not array.flags.c_contiguous
+            or not array.flags.writeable
+        ):
+            raise ValueError(f"out= does not fit a batch of {batch}: see {v.name!r}")

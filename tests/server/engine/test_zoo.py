@@ -1,0 +1,167 @@
+"""The engine on a zoo of model families (tests/zoo.py) against the Keras-only oracle.
+
+Small models: full per-example gradients and losses. Every model: per-example norms
+(whole and per variable) and a clipped sum whose bound lies between the smallest and the
+largest norm, against the oracle's gradients clipped in float64. keras.applications
+models are too large for full gradients of a batch; they get the norms and the clipped
+sum only. A family whose layers all have closed-form rules must not fall back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pergrad.server.engine import Engine
+from tests import oracle
+from tests.helpers import assert_close
+from tests.zoo import FAMILIES, Family
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _engine(family: Family, model: keras.Model, loss: Any) -> Engine:
+    """The engine on the model's compiled loss when it has one, else on `loss`."""
+    compiled = getattr(model, "loss", None)
+    return Engine(
+        model, loss=None if compiled is not None else loss, jit_compile=family.jit_compile
+    )
+
+
+def _check_route(engine: Engine, family: Family) -> None:
+    """A family whose layers all have rules must not fall back (the others may take
+    either route: rules get added)."""
+    if family.ruled:
+        assert engine.plan.fallback == (), engine.plan.describe()
+
+
+def _check_reductions(engine: Engine, x: Any, y: np.ndarray, grads: dict[str, np.ndarray]):
+    norms = oracle.per_example_norms(grads)
+    result = engine.per_example_gradients(x, y, reduction="norms")
+    assert_close({"norms": result.norms}, {"norms": norms})
+    assert_close(
+        result.variable_norms,
+        {name: oracle.per_example_norms({name: g}) for name, g in grads.items()},
+    )
+
+    assert norms.min() < norms.max()
+    max_norm = float(np.sqrt(norms.min() * norms.max()))  # strictly between the two
+    clipped = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=max_norm)
+    assert clipped.num_clipped == int(np.sum(norms > max_norm))
+    assert_close({"norms": clipped.norms}, {"norms": norms})
+    assert_close(clipped.clipped_sum, oracle.clipped_sum(grads, max_norm))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_matches_keras_oracle(name: str) -> None:
+    family = FAMILIES[name]
+    model, loss = family.build()
+    engine = _engine(family, model, loss)
+    _check_route(engine, family)
+    x, y = family.batch(model, family.size)
+    losses, grads = oracle.per_example(model, loss, x, y)
+    assert set(grads) == {v.name for v in engine.variables}
+    if family.full:
+        result = engine.per_example_gradients(x, y)
+        assert_close({"losses": result.losses}, {"losses": losses})
+        assert_close(result.gradients, grads)
+    _check_reductions(engine, x, y, grads)
+    assert_close(
+        {"losses": engine.per_example_gradients(x, y, reduction="norms").losses}, {"losses": losses}
+    )
+
+
+def test_list_and_dict_inputs_give_the_same_result() -> None:
+    """The two-input transformer takes its inputs as a list in model order or as a dict
+    by input name; the dict-input model as a dict or as a list in Keras' order."""
+    family = FAMILIES["transformer_encoder"]
+    model, loss = family.build()
+    engine = Engine(model, loss=loss, jit_compile=family.jit_compile)
+    (ids, mask), y = family.batch(model, 3)
+    by_list = engine.per_example_gradients([ids, mask], y)
+    by_name = engine.per_example_gradients({"ids": ids, "mask": mask}, y)
+    assert_close(by_name.gradients, by_list.gradients)
+
+    family = FAMILIES["dict_features"]
+    model, loss = family.build()
+    engine = Engine(model, loss=loss, jit_compile=False)
+    x, y = family.batch(model, 3)
+    by_name = engine.per_example_gradients(x, y)
+    by_list = engine.per_example_gradients([x["category"], x["numeric"]], y)
+    assert_close(by_list.gradients, by_name.gradients)
+
+
+def test_float64_and_int64_batches_are_cast() -> None:
+    """numpy's default dtypes reach the model as float32 and int32 and give the
+    oracle's result on the float32 batch."""
+    family = FAMILIES["dict_features"]
+    model, loss = family.build()
+    engine = Engine(model, loss=loss, jit_compile=False)
+    x, y = family.batch(model, 5)
+    wide = {k: v.astype(np.float64 if v.dtype.kind == "f" else np.int64) for k, v in x.items()}
+    result = engine.per_example_gradients(wide, y.astype(np.int64))
+    losses, grads = oracle.per_example(model, loss, x, y)
+    assert_close({"losses": result.losses}, {"losses": losses})
+    assert_close(result.gradients, grads)
+
+
+_TRANSFORMER_WITHOUT_XLA = """
+from pergrad.server.engine import Engine
+from tests import oracle
+from tests.helpers import assert_close
+from tests.zoo import FAMILIES
+
+family = FAMILIES["transformer_encoder"]
+model, loss = family.build()
+engine = Engine(model, loss=loss, jit_compile=False)
+x, y = family.batch(model, 3)
+losses, grads = oracle.per_example(model, loss, x, y)
+for _ in range(5):
+    assert_close(engine.per_example_gradients(x, y).gradients, grads)
+"""
+
+
+def test_transformer_with_a_vectorized_layer_without_xla() -> None:
+    """jit_compile=False (the server's --jit-compile off) on attention with a variable on
+    the vectorized route: run in a process of its own, since a crash in TensorFlow's
+    kernels (heap corruption, abort) would take the test session down with it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TRANSFORMER_WITHOUT_XLA],
+        cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-1500:]}"
+
+
+@pytest.mark.parametrize("name", ["cnn_batch_norm", "dict_features", "custom_loss", "multi_label"])
+def test_oracle_mean_is_keras_batch_gradient(name: str) -> None:
+    """The oracle itself: the mean of its per-example losses and gradients is Keras' loss
+    of the whole batch and its gradient (no mask: then the two means agree)."""
+    family = FAMILIES[name]
+    model, loss = family.build()
+    x, y = family.batch(model, 4)
+    losses, grads = oracle.per_example(model, loss, x, y)
+    loss_fn = loss if isinstance(loss, keras.losses.Loss) else None
+    with tf.GradientTape() as tape:
+        out = model(x, training=False)
+        batch = loss_fn(y, out) if loss_fn else tf.reduce_mean(loss(y, out))
+    want = tape.gradient(batch, model.trainable_variables)
+    assert_close({"loss": np.mean(losses, keepdims=True)}, {"loss": batch.numpy()[None]})
+    assert_close(
+        {name: g.mean(axis=0) for name, g in grads.items()},
+        {
+            v.path: tf.convert_to_tensor(g).numpy()
+            for v, g in zip(model.trainable_variables, want, strict=True)
+        },
+    )
