@@ -1,11 +1,18 @@
-"""`make bench` (load): many client processes against one server with admission limits.
+"""`make bench` (load): many client processes against one server.
 
-N client processes (default 16) each send a fixed number of mnist_mlp requests with full
-per-example gradients (B=32, 13 MB each) to one `pergrad serve` with small admission
-limits; reported: requests/s, p50/p99 latency of admitted requests, RESOURCE_EXHAUSTED
-rejections, and the server's peak RSS (VmHWM) against a bound derived from the limits.
+Admission (default): N client processes (16) each send a fixed number of mnist_mlp
+requests with full per-example gradients (B=32, 13 MB each) to one `pergrad serve` with
+small admission limits; reported: requests/s, p50/p99 latency of admitted requests,
+RESOURCE_EXHAUSTED rejections, and the server's peak RSS (VmHWM) against a bound derived
+from the limits.
+
+Small requests (--small): N clients each send requests of B examples back to back for a
+fixed time, `clipped_sum` or `norms` of mnist_mlp and mnist_cnn, to two servers: one
+coalescing small requests (the default settings), one not (--max-coalesced-batch 0), in
+alternating rounds; reported: examples/s and p50/p99 latency, and the ratio.
 
     python benchmarks/load.py [--clients 16] [--requests 10]
+    python benchmarks/load.py --small [--clients 16] [--seconds 5] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transport import mlp_batch, pergrad_server
+from transport import cnn_batch, mlp_batch, pergrad_server
 
 from pergrad.client import GradientClient, PergradError
 
@@ -47,6 +54,102 @@ def client(target: str, requests: int) -> None:
     print(json.dumps({"latencies": latencies, "rejected": rejected}))
 
 
+SMALL_MODELS = {"mnist_mlp": mlp_batch, "mnist_cnn": cnn_batch}
+SMALL_BATCHES = (8, 32, 128)
+SMALL_REDUCTIONS = {
+    "clipped_sum": {"max_norm": 1.0, "noise_multiplier": 1.0, "seed": 1},
+    "norms": {},
+}
+START_DELAY_S = 4.0  # for every client process to import and connect before the clock starts
+
+
+def small_client(
+    target: str, model: str, reduction: str, batch: int, start: float, end: float
+) -> None:
+    """One client of the small-request mode: latencies of the requests it started between
+    `start` and `end` (wall clock), back to back."""
+    x, y = SMALL_MODELS[model](batch)
+    options = SMALL_REDUCTIONS[reduction]
+    latencies = []
+    with GradientClient(target, timeout=120) as c:
+        c.model_info(model)  # connected before the clock starts
+        time.sleep(max(0.0, start - time.time()))
+        while time.time() < end:
+            began = time.perf_counter()
+            c.per_example_gradients(model, x, y, reduction=reduction, **options)
+            latencies.append(time.perf_counter() - began)
+    print(json.dumps({"latencies": latencies}))
+
+
+def _small_run(
+    target: str, model: str, reduction: str, batch: int, clients: int, seconds: float
+) -> tuple[float, float, float]:
+    """(examples/s, p50 s, p99 s) of `clients` processes sending for `seconds`."""
+    start = time.time() + START_DELAY_S
+    argv = [model, reduction, str(batch), str(start), str(start + seconds)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--small-child", target, *argv],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(clients)
+    ]
+    outputs = [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children]
+    latencies = [t for o in outputs for t in o["latencies"]]
+    return (
+        batch * len(latencies) / seconds,
+        statistics.median(latencies),
+        float(np.quantile(latencies, 0.99)),
+    )
+
+
+def small(clients: int, seconds: float, rounds: int) -> None:
+    """The small-request table: coalescing on and off, in alternating rounds."""
+    print(
+        f"| model | reduction | B | examples/s off | examples/s on | ratio | p50 ms off | "
+        f"p50 ms on | p99 ms off | p99 ms on |  ({clients} clients, {seconds:.0f} s, "
+        f"medians of {rounds} rounds)"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for model, make_batch in SMALL_MODELS.items():
+        settings = {"off": ("--max-coalesced-batch", "0"), "on": ()}
+        servers = {
+            mode: pergrad_server("--model", model, "--jit-compile", "off", *flags)
+            for mode, flags in settings.items()
+        }
+        try:
+            for _, target in servers.values():
+                with GradientClient(target) as warm:
+                    for batch in SMALL_BATCHES:
+                        for reduction, options in SMALL_REDUCTIONS.items():
+                            warm.per_example_gradients(
+                                model, *make_batch(batch), reduction=reduction, **options
+                            )
+            for reduction in SMALL_REDUCTIONS:
+                for batch in SMALL_BATCHES:
+                    runs = {mode: [] for mode in servers}
+                    for _ in range(rounds):
+                        for mode, (_, target) in servers.items():
+                            runs[mode].append(
+                                _small_run(target, model, reduction, batch, clients, seconds)
+                            )
+                    off, on = (
+                        [statistics.median(r[k] for r in runs[mode]) for k in range(3)]
+                        for mode in ("off", "on")
+                    )
+                    print(
+                        f"| {model} | {reduction} | {batch} | {off[0]:.0f} | {on[0]:.0f} | "
+                        f"{on[0] / off[0]:.2f} | {1000 * off[1]:.1f} | {1000 * on[1]:.1f} | "
+                        f"{1000 * off[2]:.1f} | {1000 * on[2]:.1f} |",
+                        flush=True,
+                    )
+        finally:
+            for process, _ in servers.values():
+                process.terminate()
+                process.wait(timeout=60)
+
+
 def peak_rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -60,10 +163,21 @@ def main() -> None:
     )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--small", action="store_true", help="the small-request mode")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--small-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         client(args.child[0], int(args.child[1]))
+        return
+    if args.small_child:
+        target, model, reduction, batch, start, end = args.small_child
+        small_client(target, model, reduction, int(batch), float(start), float(end))
+        return
+    if args.small:
+        small(args.clients, args.seconds, args.rounds)
         return
     server, target = pergrad_server(
         "--model",

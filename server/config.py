@@ -41,6 +41,8 @@ class Config:
     max_queued_calls: int = 32
     max_streams: int = 4
     stall_timeout_s: float = 60.0
+    batch_window_ms: float = 2.0
+    max_coalesced_batch: int = 128
     grace_s: float = 10.0
     jit_compile: str = "auto"
     replica_name: str = f"{socket.gethostname()}/{os.getpid()}"
@@ -91,6 +93,13 @@ class Config:
             raise ConfigError(
                 f"--max-streams ({self.max_streams}) must be below --workers ({self.workers}),"
                 " so that streams cannot hold every worker"
+            )
+        if not 0 <= self.batch_window_ms <= 1000:
+            raise ConfigError(f"--batch-window-ms must be in [0, 1000], got {self.batch_window_ms}")
+        if self.max_coalesced_batch < 0:
+            raise ConfigError(
+                f"--max-coalesced-batch must be >= 0 (0 turns coalescing off), "
+                f"got {self.max_coalesced_batch}"
             )
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
@@ -185,6 +194,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "before it is cancelled",
     )
     parser.add_argument(
+        "--batch-window-ms",
+        default=_env("BATCH_WINDOW_MS", d.batch_window_ms),
+        help="milliseconds a small request waits for others to share its pass",
+    )
+    parser.add_argument(
+        "--max-coalesced-batch",
+        default=_env("MAX_COALESCED_BATCH", d.max_coalesced_batch),
+        help="examples in one shared pass; requests up to this size share passes "
+        "(0: no coalescing)",
+    )
+    parser.add_argument(
         "--grace",
         dest="grace_s",
         default=_env("GRACE", d.grace_s),
@@ -258,6 +278,8 @@ def from_args(args: argparse.Namespace) -> Config:
         max_queued_calls=_number(args, "max_queued_calls", int),
         max_streams=_number(args, "max_streams", int),
         stall_timeout_s=_number(args, "stall_timeout_s", float),
+        batch_window_ms=_number(args, "batch_window_ms", float),
+        max_coalesced_batch=_number(args, "max_coalesced_batch", int),
         grace_s=_number(args, "grace_s", float),
         jit_compile=str(args.jit_compile),
         replica_name=str(args.replica_name),

@@ -2,8 +2,8 @@
 
 The request is parsed and its batch checked once, before admission; admission prices
 what the result will hold (`expected_outputs`, by the catalogue); then full gradients
-stream block by block while the next block computes, and reductions are computed whole
-and then chunked.
+stream block by block while the next block computes, reductions are computed whole and
+then chunked, and small requests share passes with others (`pergrad.server.coalescer`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pergrad.server.admission import Admission
+from pergrad.server.coalescer import Coalescer
 from pergrad.server.engine import Batch
+from pergrad.server.engine.group import Job
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
@@ -26,7 +28,7 @@ from pergrad.wire.catalogue import NONE
 from pergrad.wire.chunks import RawChunk, encode_chunk
 from pergrad.wire.codec import decode_tensor, iter_raw_chunks
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
-from pergrad.wire.results import ExpectedOutput, expected_outputs
+from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 
 Part = pb.ResultHeader | RawChunk
 
@@ -120,13 +122,20 @@ def responses(
     admission: Admission,
     settings: Settings,
     cancelled: Callable[[], bool],
+    coalescer: Coalescer | None = None,
 ) -> Iterator[pb.GradientsResponse | bytes]:
-    """The response messages of `work`: a header, then pre-encoded chunk messages."""
+    """The response messages of `work`: a header, then pre-encoded chunk messages.
+
+    A small request shares passes with others (`coalescer`); a larger one streams full
+    gradients block by block, or computes its reduction alone.
+    """
     with admission.admit(work.batch.size, work.result_bytes):
-        if work.asked.reduction.name == NONE:
+        if coalescer is not None and coalescer.takes(work.batch.size):
+            parts = _whole_result(work, settings, lambda: _shared(work, coalescer, cancelled))
+        elif work.asked.reduction.name == NONE:
             parts = _full_gradients(work, settings, cancelled)
         else:
-            parts = _whole_result(work, settings, cancelled)
+            parts = _whole_result(work, settings, lambda: _alone(work, cancelled))
         for part in parts:
             if isinstance(part, pb.ResultHeader):
                 yield pb.GradientsResponse(request_id=request_id, header=part)
@@ -145,10 +154,8 @@ def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeade
     )
 
 
-def _whole_result(
-    work: Work, settings: Settings, cancelled: Callable[[], bool]
-) -> Iterator[Part]:
-    result = work.served.engine.compute(
+def _alone(work: Work, cancelled: Callable[[], bool]) -> GradientResult:
+    return work.served.engine.compute(
         work.batch,
         reduction=work.asked.reduction.name,
         variables=work.asked.variables,
@@ -156,7 +163,22 @@ def _whole_result(
         cancelled=cancelled,
         **work.asked.options,
     )
-    tensors = result_arrays(result)
+
+
+def _shared(work: Work, coalescer: Coalescer, cancelled: Callable[[], bool]) -> GradientResult:
+    sink = work.served.engine.sink(
+        work.batch.size,
+        reduction=work.asked.reduction.name,
+        variables=work.asked.variables,
+        **work.asked.options,
+    )
+    return coalescer.compute(Job(work.batch, sink, cancelled), work.snapshot)
+
+
+def _whole_result(
+    work: Work, settings: Settings, compute: Callable[[], GradientResult]
+) -> Iterator[Part]:
+    tensors = result_arrays(compute())
     yield _header(work, settings, [(f, v, a.shape, a.dtype) for f, v, a in tensors])
     for index, (_, _, array) in enumerate(tensors):
         yield from iter_raw_chunks(index, array, chunk_bytes=settings.chunk_bytes)

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
+from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
 from pergrad.server.guard import CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
@@ -52,6 +53,7 @@ class RunningServer:
     metrics: ServerMetrics
     metrics_endpoint: MetricsEndpoint
     guard: CallGuard
+    coalescers: Coalescers
 
     @property
     def metrics_port(self) -> int:
@@ -63,6 +65,7 @@ class RunningServer:
         up to `grace_s`, stop metrics."""
         self.health.stop_serving()
         self.server.stop(grace_s).wait()
+        self.coalescers.close()
         self.guard.close()
         self.metrics_endpoint.close()
 
@@ -108,8 +111,13 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         max_open_streams=OPEN_STREAMS,
         on_stall=metrics.call_stalled,
     )
+    coalescers = Coalescers(
+        window_ms=config.batch_window_ms,
+        max_coalesced_batch=config.max_coalesced_batch,
+        on_pass=metrics.coalesced_pass,
+    )
     try:
-        server, health_servicer, port = _start_grpc(config, registry, metrics, guard)
+        server, health_servicer, port = _start_grpc(config, registry, metrics, guard, coalescers)
     except BaseException:
         guard.close()
         endpoint.close()
@@ -122,11 +130,15 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         config.host,
         endpoint.port,
     )
-    return RunningServer(server, port, health_servicer, metrics, endpoint, guard)
+    return RunningServer(server, port, health_servicer, metrics, endpoint, guard, coalescers)
 
 
 def _start_grpc(
-    config: Config, registry: ModelRegistry, metrics: ServerMetrics, guard: CallGuard
+    config: Config,
+    registry: ModelRegistry,
+    metrics: ServerMetrics,
+    guard: CallGuard,
+    coalescers: Coalescers,
 ) -> tuple[grpc.Server, HealthService, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers),
@@ -135,7 +147,7 @@ def _start_grpc(
         options=server_options(config),
         maximum_concurrent_rpcs=config.workers + config.max_queued_calls + OPEN_STREAMS,
     )
-    add_to_server(GradientServicer(registry, config, metrics), server)
+    add_to_server(GradientServicer(registry, config, metrics, coalescers), server)
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_reflection([SERVICE_NAME, HEALTH_SERVICE], server)

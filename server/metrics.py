@@ -202,6 +202,13 @@ class ServerMetrics:
         )
         for code in REJECTION_CODES:
             self._rejected.labels(code.name)
+        self._coalesced = Histogram(
+            "pergrad_coalesced_pass_requests",
+            "Requests that shared one pass of the model (coalescing, --batch-window-ms).",
+            ("model",),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self._stalled = Counter(
             "pergrad_stalled_calls_total",
             "Calls cancelled because their client left them waiting (--stall-timeout).",
@@ -286,6 +293,10 @@ class ServerMetrics:
         self._serialize.labels(model, reduction).observe(serialize_s)
         if complete:
             self._examples.labels(model, reduction).inc(count)
+
+    def coalesced_pass(self, model: str, requests: int) -> None:
+        """One shared pass of `model` held `requests` requests."""
+        self._coalesced.labels(model).observe(requests)
 
     def call_stalled(self, method: str) -> None:
         self._stalled.labels(method).inc()

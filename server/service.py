@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from pergrad.server.admission import Admission
+from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
 from pergrad.server.gradients import Settings, prepare, responses
@@ -40,11 +41,16 @@ def _batched_spec(
 
 class GradientServicer(pb_grpc.GradientServiceServicer):
     def __init__(
-        self, registry: ModelRegistry, config: Config, metrics: ServerMetrics | None = None
+        self,
+        registry: ModelRegistry,
+        config: Config,
+        metrics: ServerMetrics | None = None,
+        coalescers: Coalescers | None = None,
     ) -> None:
         self._registry = registry
         self._config = config
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        self._coalescers = coalescers
         self._admission = Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
@@ -155,13 +161,18 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def _gradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse | bytes]:
-        work = prepare(self._registry.get(request.model), request, self._settings)
+        served = self._registry.get(request.model)
+        work = prepare(served, request, self._settings)
+        coalescer = None
+        if self._coalescers is not None:
+            coalescer = self._coalescers.get(served.name, served.engine)
         yield from responses(
             work,
             request.request_id,
             self._admission,
             self._settings,
             cancelled=lambda: not context.is_active(),
+            coalescer=coalescer,
         )
 
 

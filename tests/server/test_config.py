@@ -78,11 +78,22 @@ def test_metrics_port_reads_its_environment_and_flag(monkeypatch: pytest.MonkeyP
         (["--port", "7000", "--metrics-port", "7000"], "--metrics-port must differ from --port"),
         (["--port", "65500"], "--metrics-port must be in .* defaults to --port"),
         (["--model-dir", "/nonexistent/models"], "is not a directory"),
+        (["--batch-window-ms", "-1"], "--batch-window-ms must be in"),
+        (["--batch-window-ms", "nan"], "--batch-window-ms must be in"),
+        (["--max-coalesced-batch", "-4"], "--max-coalesced-batch must be >= 0"),
+        (["--max-coalesced-batch", "many"], "--max-coalesced-batch .* must be a number"),
     ],
 )
 def test_invalid_settings_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse(argv)
+
+
+def test_coalescing_settings_read_their_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERGRAD_BATCH_WINDOW_MS", "5.5")
+    monkeypatch.setenv("PERGRAD_MAX_COALESCED_BATCH", "0")
+    config = parse([])
+    assert (config.batch_window_ms, config.max_coalesced_batch) == (5.5, 0)
 
 
 def test_non_numeric_environment_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

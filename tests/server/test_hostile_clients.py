@@ -268,7 +268,7 @@ def test_internal_errors_carry_no_traceback_or_path(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("/srv/secret/engine.py line 12")
 
-    monkeypatch.setattr(registry.get("mnist_mlp").engine, "compute", broken)
+    monkeypatch.setattr(registry.get("mnist_mlp").engine, "run_pass", broken)
     running = start(config, registry)
     x, y = batch_for((784,), 10, 2)
     try:
@@ -316,8 +316,22 @@ def _handled(exposition: str, method: str, code: str) -> float:
     return sample_value(exposition, "grpc_server_handled_total", grpc_method=method, grpc_code=code)
 
 
+def _until(port: int, name: str, method: str, **labels: str) -> str:
+    """The exposition once `name` for `method` is counted, polled for up to 30 s: under
+    load, a handler may start or end well after the client acted."""
+    deadline = time.monotonic() + 30
+    while True:
+        exposition = scrape(port)
+        if sample_value(exposition, name, grpc_method=method, **labels):
+            return exposition
+        counted = [line for line in exposition.splitlines() if method in line]
+        assert time.monotonic() < deadline, f"{name} {method} {labels} never counted: {counted}"
+        time.sleep(0.05)
+
+
 def test_cancelled_streams_are_counted_cancelled_not_internal(fresh_server, caplog) -> None:
     caplog.set_level(logging.INFO)
+    port = fresh_server.metrics_port
     _, weights = GradientClient(_target(fresh_server)).get_weights("mnist_mlp")
     header = pb.WeightsMessage(
         header=pb.WeightsHeader(
@@ -332,16 +346,16 @@ def test_cancelled_streams_are_counted_cancelled_not_internal(fresh_server, capl
         half_sent.wait()
         yield b""
 
+    started = "grpc_server_started_total"
     with grpc.insecure_channel(_target(fresh_server)) as channel:
         idle = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
-        time.sleep(0.3)
+        _until(port, started, "StreamPerExampleGradients")
         idle.cancel()
         upload = channel.stream_unary(SERVICE + "SetWeights").future(half())
-        time.sleep(0.3)
+        _until(port, started, "SetWeights")
         upload.cancel()
-    time.sleep(0.5)
-    exposition = scrape(fresh_server.metrics_port)
     for method in ("StreamPerExampleGradients", "SetWeights"):
+        exposition = _until(port, "grpc_server_handled_total", method, grpc_code="CANCELLED")
         assert _handled(exposition, method, "CANCELLED") == 1, method
         assert not _handled(exposition, method, "INTERNAL"), method
     assert "internal error" not in caplog.text

@@ -22,15 +22,17 @@ L = keras.layers
 
 
 def _two_inputs() -> keras.Model:
-    """Numeric features and token ids, a dict of inputs, an embedding on the ids."""
+    """Numeric features and token ids, a dict of inputs, an embedding on the ids; layers
+    named, so variable names do not depend on the models built before."""
     init = keras.initializers.GlorotUniform
     numeric = keras.Input((5,), name="numeric")
     tokens = keras.Input((4,), dtype="int32", name="tokens")
-    embedded = L.Flatten()(L.Embedding(30, 3, embeddings_initializer=init(1))(tokens))
-    h = L.Dense(6, "relu", kernel_initializer=init(2))(L.Concatenate()([numeric, embedded]))
-    model = keras.Model(
-        {"numeric": numeric, "tokens": tokens}, L.Dense(3, kernel_initializer=init(3))(h)
-    )
+    embedding = L.Embedding(30, 3, embeddings_initializer=init(1), name="embedding")
+    embedded = L.Flatten()(embedding(tokens))
+    hidden = L.Dense(6, "relu", kernel_initializer=init(2), name="dense")
+    h = hidden(L.Concatenate()([numeric, embedded]))
+    output = L.Dense(3, kernel_initializer=init(3), name="logits")
+    model = keras.Model({"numeric": numeric, "tokens": tokens}, output(h))
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 

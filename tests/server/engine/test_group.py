@@ -1,0 +1,59 @@
+"""Shared passes: requests packed whole, each result its own, cancelled ones skipped."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from pergrad.server.engine import Engine
+from pergrad.server.engine.group import Job, compute_group, packs
+from pergrad.server.errors import Cancelled
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests.helpers import assert_close, batch_for
+
+GRANULE = 32
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(BUILTIN_MODELS["mnist_cnn"](), loss=LOSS, jit_compile=False)
+
+
+@pytest.mark.parametrize("sizes", [[5, 7, 20, 1], [32, 1, 31, 2], [16, 16, 16], [1] * 40])
+def test_packs_keep_requests_whole_in_order_within_the_granule(sizes: list[int]) -> None:
+    groups = packs(sizes, GRANULE)
+    assert [i for group in groups for i in group] == list(range(len(sizes)))
+    assert all(sum(sizes[i] for i in group) <= GRANULE for group in groups)
+    for earlier, later in pairwise(groups):  # a pass closes when full
+        assert sum(sizes[i] for i in earlier) + sizes[later[0]] > GRANULE
+
+
+def _job(engine: Engine, size: int, seed: int, cancelled=None, **request) -> Job:
+    x, y = batch_for((28, 28, 1), 10, size, seed=seed)
+    return Job(engine.batch(x, y), engine.sink(size, **request), cancelled)
+
+
+def test_each_job_gets_what_the_engine_computes_for_it_alone(engine: Engine) -> None:
+    requests = [(5, {"reduction": "norms"}), (9, {}), (3, {"reduction": "moments"})]
+    jobs = [_job(engine, size, seed, **request) for seed, (size, request) in enumerate(requests)]
+    results = compute_group(engine, jobs, granule=GRANULE)
+    for job, result in zip(jobs, results, strict=True):
+        alone = engine.compute(job.batch, **dict(requests)[job.batch.size])
+        assert_close({"losses": result.losses}, {"losses": alone.losses})
+        for field, value in alone.outputs.items():
+            want = value if isinstance(value, dict) else {field: value}
+            got = (
+                result.outputs[field] if isinstance(value, dict) else {field: result.outputs[field]}
+            )
+            assert_close(got, want)
+
+
+def test_a_cancelled_job_is_skipped_and_its_neighbours_are_not(engine: Engine) -> None:
+    kept = _job(engine, 4, 1, reduction="norms")
+    dropped = _job(engine, 4, 2, lambda: True, reduction="norms")
+    result, error = compute_group(engine, [kept, dropped], granule=GRANULE)
+    assert isinstance(error, Cancelled)
+    alone = compute_group(engine, [_job(engine, 4, 1, reduction="norms")], granule=GRANULE)[0]
+    np.testing.assert_array_equal(result.norms, alone.norms)

@@ -1,0 +1,196 @@
+"""Coalescing: small requests that arrive together share passes, and each result is the
+same to the bit as the request's result alone, right by the batch-size-1 loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from pergrad.client import GradientClient, PergradError
+from pergrad.server.coalescer import Coalescer, granule_for
+from pergrad.server.engine import Engine
+from pergrad.server.engine.group import Job
+from pergrad.server.main import RunningServer, start
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.server.weights import WeightsStore
+from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.results import GradientResult
+from tests import oracle
+from tests.helpers import batch_for, loopback_config
+from tests.prometheus import sample_value, scrape
+from tests.release.every_reduction import OPTIONS
+
+MODEL = "mnist_mlp"
+WINDOW_MS = 400.0  # long: requests started together surely share, even on a loaded machine
+GRANULE = 64
+PASSES = "pergrad_coalesced_pass_requests"
+
+
+@pytest.fixture(scope="module")
+def coalescing() -> Iterator[RunningServer]:
+    config = loopback_config(MODEL, batch_window_ms=WINDOW_MS, max_coalesced_batch=GRANULE)
+    running = start(config)
+    yield running
+    running.stop(0)
+
+
+def _client(running: RunningServer) -> GradientClient:
+    return GradientClient(f"127.0.0.1:{running.port}", timeout=60)
+
+
+def _passes(running: RunningServer) -> tuple[float, float]:
+    """(shared passes so far, requests they held)."""
+    exposition = scrape(running.metrics_port)
+    count = sample_value(exposition, f"{PASSES}_count", model=MODEL) or 0.0
+    return count, sample_value(exposition, f"{PASSES}_sum", model=MODEL) or 0.0
+
+
+def _together(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call's return value (or exception), the calls started at the same moment."""
+    barrier = threading.Barrier(len(calls))
+    outcomes: list[Any] = [None] * len(calls)
+
+    def run(index: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[index] = calls[index]()
+        except Exception as err:
+            outcomes[index] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def _assert_identical(got: GradientResult, want: GradientResult) -> None:
+    np.testing.assert_array_equal(got.losses, want.losses)
+    assert got.outputs.keys() == want.outputs.keys()
+    for field, value in want.outputs.items():
+        if isinstance(value, dict):
+            assert value.keys() == got.outputs[field].keys()
+            for name, array in value.items():
+                np.testing.assert_array_equal(got.outputs[field][name], array, err_msg=field)
+        else:
+            np.testing.assert_array_equal(got.outputs[field], value, err_msg=field)
+
+
+@pytest.mark.parametrize("reduction", CATALOGUE.names)
+def test_a_shared_request_equals_itself_alone_to_the_bit(coalescing, reduction: str) -> None:
+    with _client(coalescing) as client:
+        info = client.model_info(MODEL)
+        options = OPTIONS[reduction](info)
+        x, y = batch_for((784,), 10, 5, seed=1)
+        alone = client.per_example_gradients(MODEL, x, y, reduction=reduction, **options)
+        neighbours = [
+            (batch_for((784,), 10, 7, seed=2), {"reduction": "norms"}),
+            (batch_for((784,), 10, 16, seed=3), {"reduction": "none"}),
+            (
+                batch_for((784,), 10, 3, seed=4),
+                OPTIONS["clipped_sum"](info) | {"seed": 99, "reduction": "clipped_sum"},
+            ),
+        ]
+        before = _passes(coalescing)
+        shared, *others = _together(
+            [
+                lambda: client.per_example_gradients(MODEL, x, y, reduction=reduction, **options),
+                *(
+                    lambda b=b, o=o: client.per_example_gradients(MODEL, *b, **o)
+                    for b, o in neighbours
+                ),
+            ]
+        )
+        after = _passes(coalescing)
+    assert not [o for o in others if isinstance(o, Exception)], others
+    assert after[1] - before[1] == 4  # every request went through shared passes
+    assert after[0] - before[0] < 4  # and some of them shared one
+    _assert_identical(shared, alone)
+
+
+def test_shared_results_match_the_batch_size_one_loop(coalescing) -> None:
+    model = BUILTIN_MODELS[MODEL]()
+    batches = [batch_for((784,), 10, size, seed=size) for size in (4, 9, 2)]
+    with _client(coalescing) as client:
+        results = _together([lambda b=b: client.per_example_gradients(MODEL, *b) for b in batches])
+    for (x, y), result in zip(batches, results, strict=True):
+        losses, grads = oracle.per_example(model, LOSS, x.astype(np.float32), y)
+        np.testing.assert_allclose(result.losses, losses, rtol=1e-5, atol=1e-6)
+        for name, want in grads.items():
+            np.testing.assert_allclose(result.gradients[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cancelled_request_leaves_its_neighbours_whole(coalescing) -> None:
+    x, y = batch_for((784,), 10, 6, seed=5)
+    with _client(coalescing) as client:
+        alone = client.per_example_gradients(MODEL, x, y, reduction="norms")
+        hasty, patient = _together(
+            [
+                lambda: client.per_example_gradients(MODEL, x, y, timeout=WINDOW_MS / 4000),
+                lambda: client.per_example_gradients(MODEL, x, y, reduction="norms"),
+            ]
+        )
+        assert isinstance(hasty, PergradError)
+        assert hasty.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        _assert_identical(patient, alone)
+        assert client.per_example_gradients(MODEL, x, y, reduction="norms").norms.shape == (6,)
+
+
+def test_requests_larger_than_a_pass_run_on_their_own(coalescing) -> None:
+    x, y = batch_for((784,), 10, GRANULE + 1)
+    before = _passes(coalescing)
+    with _client(coalescing) as client:
+        result = client.per_example_gradients(MODEL, x, y, reduction="norms")
+    assert result.norms.shape == (GRANULE + 1,)
+    assert _passes(coalescing) == before
+
+
+def test_zero_max_coalesced_batch_turns_coalescing_off() -> None:
+    running = start(loopback_config(MODEL, max_coalesced_batch=0))
+    try:
+        with _client(running) as client:
+            x, y = batch_for((784,), 10, 3)
+            assert client.per_example_gradients(MODEL, x, y, reduction="norms").norms.shape == (3,)
+        assert _passes(running) == (0.0, 0.0)
+    finally:
+        running.stop(0)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(BUILTIN_MODELS[MODEL](), loss=LOSS, jit_compile=False)
+
+
+def test_requests_for_different_weights_share_no_pass(engine) -> None:
+    store = WeightsStore(engine.variables, engine.initial_weights())
+    first = store.current
+    pairs = zip(engine.variables, first.trainable, strict=True)
+    scaled = {v.name: 1.5 * w.numpy() for v, w in pairs}
+    second = store.replace(scaled)
+    coalescer = Coalescer(engine, window_s=WINDOW_MS / 1000, granule=GRANULE)
+    x, y = batch_for((784,), 10, 4)
+
+    def compute(snapshot) -> GradientResult:
+        job = Job(engine.batch(x, y), engine.sink(4, reduction="norms"))
+        return coalescer.compute(job, snapshot)
+
+    try:
+        alone = [compute(first), compute(second)]
+        together = _together([lambda: compute(first), lambda: compute(second)])
+    finally:
+        coalescer.close()
+    assert not np.array_equal(alone[0].norms, alone[1].norms)
+    for got, want in zip(together, alone, strict=True):
+        _assert_identical(got, want)
+
+
+def test_a_pass_is_the_largest_power_of_two_within_the_flag_and_the_slice(engine) -> None:
+    assert granule_for(engine, 100) == 64
+    assert granule_for(engine, 1) == 1
+    assert granule_for(engine, 1 << 30) == 1 << (engine.slice_size.bit_length() - 1)
