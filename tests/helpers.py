@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 
 from pergrad.client.local import LocalServer
 from pergrad.server.config import Config
@@ -89,3 +93,14 @@ def loopback_config(*models: str, **settings: object) -> Config:
             **settings,
         }
     )
+
+
+def installed_tool(name: str, how: str) -> str:
+    """Path of a command-line tool the suite needs: beside this Python (where `make test`
+    installs it into .venv) or else on PATH. Its absence fails the test, saying `how` to
+    get it: every one of them can be installed, so a missing one is a broken setup."""
+    beside_python = Path(sys.executable).with_name(name)
+    path = str(beside_python) if beside_python.exists() else shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not installed: {how}", pytrace=False)
+    return path

@@ -1,9 +1,10 @@
 """An independent oracle for per-example losses and gradients, built from Keras alone.
 
-`server/engine/reference.py` (the batch-size-1 loop the older tests compare against)
-calls the engine's own `forward_loss` and `PerExampleLoss`: a mistake in how pergrad
-defines or reduces a loss, calls the model or unpacks several inputs would sit on both
-sides of such a comparison and cancel out. This module imports nothing from
+`server/engine/reference.py` (the batch-size-1 loop the tests once compared against,
+now the benchmarks' baseline) calls the engine's own `forward_loss` and `PerExampleLoss`:
+a mistake in how pergrad defines or reduces a loss, calls the model or unpacks several
+inputs would sit on both sides of such a comparison and cancel out (summing a sequence's
+steps instead of averaging them did: `make mutants`). This module imports nothing from
 `pergrad.server`. It takes Keras' own definition of "the loss of one example" literally:
 
     for each example i:
@@ -19,12 +20,14 @@ that example's values, masks included); a loss name is resolved with
 it returns, as Keras' wrapper of a compiled loss function does. The model is called
 through its ordinary `__call__` on its ordinary variables (no `stateless_call`, no
 `tf.function`, no vectorized_map), with x as one array, a dict of arrays by input name,
-or a list of arrays in `model.inputs` order.
+or a list of arrays in `model.inputs` order. Given `weights`, the variables hold them for
+the computation (assigned, then restored).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import keras
@@ -64,26 +67,58 @@ def _batch_size(x: Any) -> int:
     return len(x)
 
 
+@contextmanager
+def _weights(model: keras.Model, weights: Mapping[str, Any] | None) -> Iterator[None]:
+    """The model's trainable variables hold `weights` ({variable.path: value}, every one)
+    inside the block and their own values again after it; None leaves them as they are."""
+    if weights is None:
+        yield
+        return
+    variables = model.trainable_variables
+    assert sorted(weights) == sorted(v.path for v in variables), sorted(weights)
+    saved = [v.numpy() for v in variables]
+    try:
+        for v in variables:
+            v.assign(weights[v.path])
+        yield
+    finally:
+        for v, value in zip(variables, saved, strict=True):
+            v.assign(value)
+
+
+def _gradients(tape: tf.GradientTape, value: tf.Tensor, model: keras.Model) -> dict[str, Any]:
+    variables = model.trainable_variables
+    gradients = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return {
+        v.path: tf.convert_to_tensor(g).numpy() for v, g in zip(variables, gradients, strict=True)
+    }
+
+
 def per_example(
-    model: keras.Model, loss: Any, x: Any, y: Any
+    model: keras.Model, loss: Any, x: Any, y: Any, *, weights: Mapping[str, Any] | None = None
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(losses [B], {variable.path: per-example gradients [B, *shape]}) of every trainable
-    variable, one example at a time; float32 as the model computes them."""
+    variable, one example at a time; float32 as the model computes them. `weights`:
+    {variable.path: value} of every trainable variable, to compute with instead of its own."""
     loss_fn = _loss_function(loss)
-    variables = list(model.trainable_variables)
     y = np.asarray(y)
-    losses, grads = [], {v.path: [] for v in variables}
-    for i in range(_batch_size(x)):
-        with tf.GradientTape() as tape:
-            out = model(_example(x, i), training=False)
-            value = loss_fn(y[i : i + 1], out)
-        gradients = tape.gradient(
-            value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
-        losses.append(float(value))
-        for v, g in zip(variables, gradients, strict=True):
-            grads[v.path].append(tf.convert_to_tensor(g).numpy())
+    losses, grads = [], {v.path: [] for v in model.trainable_variables}
+    with _weights(model, weights):
+        for i in range(_batch_size(x)):
+            with tf.GradientTape() as tape:
+                value = loss_fn(y[i : i + 1], model(_example(x, i), training=False))
+            losses.append(float(value))
+            for path, g in _gradients(tape, value, model).items():
+                grads[path].append(g)
     return np.asarray(losses, np.float32), {k: np.stack(v) for k, v in grads.items()}
+
+
+def batch_gradient(model: keras.Model, loss: Any, x: Any, y: Any) -> dict[str, np.ndarray]:
+    """{variable.path: gradient of Keras' loss of the whole batch}: what `fit` takes a step
+    on, the mean of the per-example gradients where no mask weighs the examples."""
+    with tf.GradientTape() as tape:
+        value = _loss_function(loss)(np.asarray(y), model(x, training=False))
+    return _gradients(tape, value, model)
 
 
 def clipped_sum(grads: Mapping[str, np.ndarray], max_norm: float) -> dict[str, np.ndarray]:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import installed_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -81,11 +81,8 @@ def plain_promql(expr: str) -> str:
 
 
 def tool(name: str) -> str:
-    """Path of a command-line tool; skips the test, saying how to get it, when it is absent."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} not installed (Debian package 'prometheus'; `make test` installs it)")
-    return path
+    """Path of prometheus or promtool; the test fails, saying how to get it, without it."""
+    return installed_tool(name, "Debian package 'prometheus' (`make system-deps` installs it)")
 
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, rows, to_numpy
+from pergrad.server.engine.in_pass import InPass
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import Plan
 from pergrad.server.engine.ruled import per_example_function
@@ -65,7 +66,7 @@ class CompiledPass:
         jit_compile: JitCompile,
     ) -> None:
         pfor = pfor_safe(model)
-        self._build = lambda jit, size: per_example_function(
+        self._build = lambda jit, size, in_pass: per_example_function(
             model,
             loss,
             plan,
@@ -74,37 +75,65 @@ class CompiledPass:
             jit_compile=jit,
             batch_size=size,
             vectorize=jit or pfor,
+            in_pass=in_pass,
         )
         self._non_trainable = [v.value for v in model.non_trainable_variables]
         self._vectorized = bool(plan.fallback)
         self._auto = jit_compile == "auto"
         self.slice_cap = 1
         self.choice = "XLA on" if jit_compile is True else "XLA off"
-        self._functions: dict[tuple[bool, int | None], Any] = {}
+        self._functions: dict[tuple[bool, int | None, InPass | None], Any] = {}
         self._use(jit_compile is True)
 
     def _use(self, xla: bool) -> None:
         self.xla = xla
         self._static = xla or self._vectorized
 
-    def _function(self, size: int) -> Any:
-        """The compiled function for a slice of `size` examples (one for all if not static)."""
-        key = (self.xla, size if self._static else None)
+    def _function(self, size: int, in_pass: InPass | None = None) -> Any:
+        """The compiled function for a slice of `size` examples (one for all if not
+        static), returning gradients or, with `in_pass`, that reduction's outputs."""
+        key = (self.xla, size if self._static else None, in_pass)
         if key not in self._functions:
             self._functions[key] = self._build(*key)
         return self._functions[key]
+
+    def _padded(self, xs: Inputs, y: np.ndarray) -> tuple[Inputs, np.ndarray]:
+        if not self._static:
+            return xs, y
+        size = bucket(y.shape[0], max(self.slice_cap, y.shape[0]))
+        return tuple(_pad(x, size) for x in xs), _pad(y, size)
 
     def __call__(
         self, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray
     ) -> tuple[np.ndarray, dict[str, Grad]]:
         count = y.shape[0]
-        if self._static:
-            size = bucket(count, max(self.slice_cap, count))
-            xs, y = tuple(_pad(x, size) for x in xs), _pad(y, size)
+        xs, y = self._padded(xs, y)
         function = self._function(y.shape[0])
         losses, grads = function(list(weights), self._non_trainable, list(xs), y)
         kept = slice(0, count)
         return losses.numpy()[kept], {p: rows(to_numpy(g), kept) for p, g in grads.items()}
+
+    def reduced(
+        self,
+        in_pass: InPass,
+        weights: Sequence[tf.Tensor],
+        xs: Inputs,
+        y: np.ndarray,
+        max_norm: float = 0.0,
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Losses and `in_pass`'s outputs (numpy) for one slice; padding left out."""
+        count = y.shape[0]
+        xs, y = self._padded(xs, y)
+        function = self._function(y.shape[0], in_pass)
+        real = np.zeros(y.shape[0], np.float32)
+        real[:count] = 1
+        losses, outputs = function(
+            list(weights), self._non_trainable, list(xs), y, real, np.float32(max_norm)
+        )
+        result = {"squares": outputs["squares"].numpy()[:, :count]}
+        if "sums" in outputs:
+            result["sums"] = [t.numpy() for t in outputs["sums"]]
+        return losses.numpy()[:count], result
 
     def choose(self, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray) -> None:
         """With jit_compile="auto": XLA where it compiles and is clearly faster (or, for

@@ -283,7 +283,18 @@ class Engine:
         stops with `Cancelled`.
         """
         sink = self.sink(batch.size, **request)
-        for part in self.slices(batch, trainable):
-            _stop_if(cancelled, part.start, batch.size)
-            sink.add(part.start, part.losses, part.grads)
+        if sink.in_pass is None:
+            for part in self.slices(batch, trainable):
+                _stop_if(cancelled, part.start, batch.size)
+                sink.add(part.start, part.losses, part.grads)
+            return sink.finish()
+        weights = self.weights(trainable)
+        for start in range(0, batch.size, self.slice_size):
+            _stop_if(cancelled, start, batch.size)
+            xs, y = batch.rows(slice(start, start + self.slice_size))
+            try:
+                losses, outputs = self._pass.reduced(sink.in_pass, weights, xs, y, sink.max_norm)
+            except tf.errors.InvalidArgumentError as err:
+                raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
+            sink.add_in_pass(start, losses, outputs)
         return sink.finish()

@@ -13,6 +13,7 @@ norms be computed without forming it at all.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -35,7 +36,11 @@ Grad = tf.Tensor | Outer | Scatter
 
 
 def as_sequence(t: tf.Tensor) -> tf.Tensor:
-    """[B, ..., D] as [B, T, D]: every axis between the batch and the last is a time step."""
+    """[B, ..., D] as [B, T, D]: every axis between the batch and the last is a time step.
+    T stays static where the axes are (in-pass reductions choose their algebra by it)."""
+    inner = t.shape[1:]
+    if all(d is not None for d in inner):
+        return tf.reshape(t, [-1, math.prod(inner[:-1]), inner[-1]])
     shape = tf.shape(t)
     return tf.reshape(t, tf.stack([shape[0], -1, shape[-1]]))
 

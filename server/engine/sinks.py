@@ -13,6 +13,7 @@ import numpy as np
 
 from pergrad.server.engine import reductions
 from pergrad.server.engine.grads import Grad, materialize
+from pergrad.server.engine.in_pass import InPass
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.results import GradientResult
 
@@ -34,6 +35,8 @@ class Sink(Protocol):
 
 
 class FullGradients:
+    in_pass = None  # full gradients leave the pass whole
+
     """Writes every selected variable's per-example gradient into the result's arrays
     (`out`, a previous result of the same shape, is refilled), cast to `wire_dtype`."""
 
@@ -82,6 +85,25 @@ class Reduced:
     def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
         self._losses[start : start + len(losses)] = losses
         self._reduction.add({v.name: grads[v.index] for v in self._selected})
+
+    @property
+    def in_pass(self) -> InPass | None:
+        """What to compute inside the pass instead of gradients, if the reduction can."""
+        kind = getattr(self._reduction, "IN_PASS", None)
+        return None if kind is None else InPass(kind, tuple(v.index for v in self._selected))
+
+    @property
+    def max_norm(self) -> float:
+        return self._reduction.max_norm
+
+    def add_in_pass(self, start: int, losses: np.ndarray, outputs: dict) -> None:
+        """Rows [start, start + len(losses)): losses and the `in_pass` outputs (`squares`
+        [V, n] and, for clipped sums, `sums`, in the order of the selected variables)."""
+        self._losses[start : start + len(losses)] = losses
+        names = [v.name for v in self._selected]
+        squares = dict(zip(names, outputs["squares"], strict=True))
+        sums = dict(zip(names, outputs.get("sums", ()), strict=False))
+        self._reduction.add_in_pass(squares, sums)
 
     def finish(self) -> GradientResult:
         return GradientResult(self._losses, model=self._model, **self._reduction.finish())

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient
-from tests.helpers import spawn_server, stop_server
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests import oracle
+from tests.helpers import assert_close, spawn_server, stop_server
 
 PERGRAD = [sys.executable, "-m", "pergrad.cli"]
 SERVE = [*PERGRAD, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
@@ -72,6 +74,22 @@ def test_grads_writes_per_example_gradients_of_a_dataset(served, tmp_path: Path)
     assert written["losses"].shape == (10,)
 
 
+def test_grads_file_matches_keras_oracle(served, tmp_path: Path) -> None:
+    """Every example's loss and gradient, written in batches of 4, under the file's names."""
+    _, target = served
+    rng = np.random.default_rng(2)
+    x, y = rng.random((6, 784), dtype=np.float32), rng.integers(0, 10, 6)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    out = tmp_path / "g.npz"
+    run = _grads(target, "mnist_mlp", tmp_path / "data.npz", out, "--batch-size", "4", "--quiet")
+    assert run.returncode == 0, run.stderr
+    written = np.load(out)
+    losses, grads = oracle.per_example(BUILTIN_MODELS["mnist_mlp"](), LOSS, x, y)
+    assert_close({"losses": written["losses"]}, {"losses": losses})
+    written_grads = {k.removeprefix("grad/"): written[k] for k in written if k.startswith("grad/")}
+    assert_close(written_grads, grads)
+
+
 def test_grads_writes_server_side_norms_and_projections(served, tmp_path: Path) -> None:
     _, target = served
     rng = np.random.default_rng(1)
@@ -117,7 +135,12 @@ def test_serve_refuses_a_bad_flag_with_exit_2() -> None:
     assert "--port must be in [0, 65535]" in run.stderr
 
 
-def test_sigterm_drains_and_exits_zero(served) -> None:
-    process, _ = served
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
+def test_sigterm_drains_and_exits_zero() -> None:
+    """A server of its own, so that the other tests keep theirs whatever the order."""
+    process, target = spawn_server("--model", "mnist_mlp", "--jit-compile", "off")
+    try:
+        assert _run("info", "--target", target).returncode == 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        stop_server(process)

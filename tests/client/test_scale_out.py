@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests import oracle
 from tests.helpers import assert_close, batch_for, spawn_server, stop_server
 
 MODEL = "mnist_cnn"
@@ -67,6 +69,26 @@ def test_reductions_merge_like_one_batch(replicas: list[str]) -> None:
     assert result.num_clipped == expected.num_clipped
     assert_close(result.clipped_sum, expected.clipped_sum)
     assert_close({"norms": result.norms}, {"norms": expected.norms})
+
+
+def test_micro_batches_over_replicas_match_keras_oracle(replicas: list[str]) -> None:
+    """Gradients and a clipped sum (bound between the median oracle norm and the next)
+    assembled from micro-batches on several replicas."""
+    x, y = batch_for((28, 28, 1), 10, 9, seed=3)
+    losses, grads = oracle.per_example(BUILTIN_MODELS[MODEL](), LOSS, x, y)
+    norms = oracle.per_example_norms(grads)
+    middle = len(norms) // 2
+    max_norm = float(np.mean(np.sort(norms)[middle : middle + 2]))
+    with GradientClient(_many(replicas), micro_batch=2) as many:
+        full = many.per_example_gradients(MODEL, x, y)
+        clipped = many.per_example_gradients(
+            MODEL, x, y, reduction="clipped_sum", max_norm=max_norm
+        )
+    assert_close({"losses": full.losses}, {"losses": losses})
+    assert_close(full.gradients, grads)
+    assert clipped.num_clipped == int(np.sum(norms > max_norm)) == len(x) // 2
+    assert_close({"norms": clipped.norms}, {"norms": norms})
+    assert_close(clipped.clipped_sum, oracle.clipped_sum(grads, max_norm))
 
 
 def test_stream_over_replicas_keeps_the_order(replicas: list[str]) -> None:

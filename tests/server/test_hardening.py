@@ -12,14 +12,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.engine.losses import PerExampleLoss
-from pergrad.server.engine.reference import References
 from pergrad.server.main import RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
+from tests import oracle
 from tests.helpers import assert_close, batch_for, loopback_config
 
 
@@ -132,18 +131,15 @@ def test_malformed_set_weights_changes_nothing(small_server, case: str, message:
 
 
 def test_set_weights_racing_gradient_requests_never_tears(small_server) -> None:
-    """Every response equals the reference for exactly the weights version it reports."""
+    """Every response equals the oracle's for exactly the weights version it reports."""
     x, y = batch_for((784,), 10, 3, seed=4)
     with GradientClient(_target(small_server)) as client:
         base_version, base = client.get_weights("mnist_mlp")
     versions = {base_version: base}
     for k in range(1, 9):
         versions[base_version + k] = {n: w * (1 + 0.25 * k) for n, w in base.items()}
-    references = References(BUILTIN_MODELS["mnist_mlp"](), PerExampleLoss(LOSS))
-    expected = {
-        v: references.batch_size_one_loop(x, y, trainable=list(w.values()))[1]
-        for v, w in versions.items()
-    }
+    model = BUILTIN_MODELS["mnist_mlp"]()
+    expected = {v: oracle.per_example(model, LOSS, x, y, weights=w)[1] for v, w in versions.items()}
     seen, failures = [], []
 
     def reader() -> None:
@@ -170,8 +166,7 @@ def test_set_weights_racing_gradient_requests_never_tears(small_server) -> None:
     assert len(seen) == 100
     assert len({r.model_version for r in seen}) >= 2
     for result in seen:
-        want = expected[result.model_version]
-        assert_close(result.gradients, dict(zip(result.gradients, want, strict=True)))
+        assert_close(result.gradients, expected[result.model_version])
 
 
 def _tensor(array: np.ndarray, *, shape=None, content=None, dtype=None) -> tensor_pb2.Tensor:

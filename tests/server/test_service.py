@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 import grpc
+import keras
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.engine.losses import PerExampleLoss
-from pergrad.server.engine.reference import References
 from pergrad.server.main import SERVICE_NAME, RunningServer
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
-from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for, tabular_model
+from tests import oracle
+from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for
 
 
-def _reference(name: str) -> References:
+def _served_model(name: str, model_dir: Path | None) -> tuple[keras.Model, Any]:
+    """A model as the server starts it, and its Keras loss: a built-in from its fixed
+    seeds, the .keras file as Keras loads it (its variable paths are the loaded model's)."""
     if name == KERAS_MODEL_NAME:
-        model = tabular_model()
-        return References(model, PerExampleLoss(model.loss))
-    return References(BUILTIN_MODELS[name](), PerExampleLoss(LOSS))
+        model = keras.saving.load_model(model_dir / f"{name}.keras")
+        return model, model.loss
+    return BUILTIN_MODELS[name](), LOSS
+
+
+def _oracle(
+    name: str,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    model_dir: Path | None = None,
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    model, loss = _served_model(name, model_dir)
+    return oracle.per_example(model, loss, x, y, weights=weights)
 
 
 def _batch(client: GradientClient, name: str, size: int, seed: int = 0):
@@ -43,21 +61,22 @@ def test_model_info_describes_variables_input_labels_and_loss(client: GradientCl
 
 
 @pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn", KERAS_MODEL_NAME])
-def test_remote_gradients_match_batch_size_one_loop(client: GradientClient, name: str) -> None:
+def test_remote_gradients_match_keras_oracle(
+    client: GradientClient, model_dir: Path, name: str
+) -> None:
     x, y = _batch(client, name, 7)
     result = client.per_example_gradients(name, x, y)
-    losses, grads = _reference(name).batch_size_one_loop(x, y)
+    losses, grads = _oracle(name, x, y, model_dir=model_dir)
     assert result.model_version == 1 and result.model == name
     assert_close({"losses": result.losses}, {"losses": losses})
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    assert_close(result.gradients, grads)
 
 
 def test_result_larger_than_4_mib_arrives_intact(client: GradientClient) -> None:
     x, y = _batch(client, "mnist_mlp", 64)
     result = client.per_example_gradients("mnist_mlp", x, y)
     assert sum(g.nbytes for g in result.gradients.values()) > 4 << 20
-    _, grads = _reference("mnist_mlp").batch_size_one_loop(x, y)
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    assert_close(result.gradients, _oracle("mnist_mlp", x, y)[1])
 
 
 def test_numpy_defaults_are_cast_to_model_dtypes(client: GradientClient) -> None:
@@ -85,6 +104,14 @@ def test_stream_returns_every_batch_in_order(client: GradientClient) -> None:
         assert_close(result.gradients, single.gradients)
 
 
+def test_streamed_results_match_keras_oracle(client: GradientClient) -> None:
+    batches = [_batch(client, "mnist_cnn", size, seed=size) for size in (3, 2)]
+    for (x, y), result in zip(batches, client.stream("mnist_cnn", iter(batches)), strict=True):
+        losses, grads = _oracle("mnist_cnn", x, y)
+        assert_close({"losses": result.losses}, {"losses": losses})
+        assert_close(result.gradients, grads)
+
+
 def test_stream_reports_the_failing_batch(client: GradientClient) -> None:
     good = _batch(client, "mnist_mlp", 2)
     bad = (good[0], np.array([0, 99], np.int32))
@@ -99,10 +126,8 @@ def test_set_weights_changes_gradients_and_version(fresh_client: GradientClient)
     assert fresh_client.set_weights("mnist_mlp", scaled) == version + 1
     x, y = _batch(fresh_client, "mnist_mlp", 3)
     result = fresh_client.per_example_gradients("mnist_mlp", x, y)
-    reference = _reference("mnist_mlp")
-    _, grads = reference.batch_size_one_loop(x, y, trainable=list(scaled.values()))
     assert result.model_version == version + 1
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    assert_close(result.gradients, _oracle("mnist_mlp", x, y, weights=scaled)[1])
     assert fresh_client.get_weights("mnist_mlp")[0] == version + 1
 
 
@@ -247,7 +272,14 @@ def test_reflection_lists_the_gradient_service(server: RunningServer) -> None:
     assert SERVICE_NAME in names
 
 
-@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+# Rounding to nearest moves a value by at most half an ulp: 2**-11 of it in float16 (11
+# significant bits), 2**-8 in bfloat16 (8). Below float16's smallest normal, 2**-14, its
+# ulp is fixed at 2**-24, so a value there moves by at most 2**-25 (bfloat16 keeps
+# float32's exponent range: no float32 gradient here lies below its normals).
+HALF_PRECISION = {"float16": (2**-11, 2**-25), "bfloat16": (2**-8, 0.0)}
+
+
+@pytest.mark.parametrize("wire_dtype", sorted(HALF_PRECISION))
 def test_half_precision_on_the_wire_keeps_the_values(client: GradientClient, wire_dtype) -> None:
     x, y = _batch(client, "mnist_mlp", 4)
     exact = client.per_example_gradients("mnist_mlp", x, y)
@@ -256,9 +288,9 @@ def test_half_precision_on_the_wire_keeps_the_values(client: GradientClient, wir
     assert half.gradients["hidden/kernel"].dtype.name == wire_dtype
     assert upcast.gradients["hidden/kernel"].dtype == np.float32
     assert half.losses.dtype == np.float32
+    rtol, atol = HALF_PRECISION[wire_dtype]
     for name, value in exact.gradients.items():
-        # bfloat16 keeps 8 significant bits, float16 11: half an ulp is 2**-8 or 2**-11.
-        np.testing.assert_allclose(upcast.gradients[name], value, rtol=2**-8, atol=1e-6)
+        np.testing.assert_allclose(upcast.gradients[name], value, rtol=rtol, atol=atol)
 
 
 def test_wire_dtype_with_a_reduction_is_refused(client: GradientClient) -> None:

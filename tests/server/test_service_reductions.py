@@ -1,4 +1,5 @@
-"""Reductions over the wire: the client gets what the in-process engine computes."""
+"""Reductions over the wire: the client gets what the in-process engine computes, and what
+the Keras-only oracle (tests/oracle.py) says they are."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from pergrad.client import GradientClient, PergradError
 from pergrad.server.engine import Engine
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests import oracle
 from tests.helpers import assert_close, batch_for
 
 
@@ -52,10 +54,27 @@ def test_remote_reduction_equals_in_process_engine(
             assert_close({name: got}, {name: want})
 
 
+def test_remote_norms_and_clipped_sum_match_keras_oracle(client: GradientClient) -> None:
+    """The bound lies between the median oracle norm and the next: the larger half clipped."""
+    x, y = _batch()
+    _, grads = oracle.per_example(BUILTIN_MODELS["mnist_cnn"](), LOSS, x, y)
+    norms = oracle.per_example_norms(grads)
+    middle = len(norms) // 2
+    max_norm = float(np.mean(np.sort(norms)[middle : middle + 2]))
+    remote = client.per_example_gradients(
+        "mnist_cnn", x, y, reduction="clipped_sum", max_norm=max_norm
+    )
+    assert remote.num_clipped == int(np.sum(norms > max_norm)) == len(x) // 2
+    assert_close({"norms": remote.norms}, {"norms": norms})
+    assert_close(remote.clipped_sum, oracle.clipped_sum(grads, max_norm))
+
+
 def test_remote_dot_with_reference_gradients(client: GradientClient, engine: Engine) -> None:
     x, y = _batch()
     rng = np.random.default_rng(0)
-    reference = {v.name: rng.standard_normal((4, *v.shape)) for v in engine.variables}
+    reference = {
+        v.path: rng.standard_normal((4, *v.shape)) for v in engine.model.trainable_variables
+    }
     remote = client.per_example_gradients("mnist_cnn", x, y, reduction="dot", reference=reference)
     local = engine.per_example_gradients(x, y, reduction="dot", reference=reference)
     assert remote.dots.shape == (9, 4)

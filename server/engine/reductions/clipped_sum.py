@@ -2,6 +2,8 @@
 
 Norms come from the factored gradients; the clipped sum is then one weighted product
 per variable ((c a)^T g for Dense), so no second backward pass and no B x P tensor.
+Both run inside the pass (`in_pass`, float32) when a request has its passes to itself,
+from the numpy factors when it shares them.
 Gaussian noise of std noise_multiplier * max_norm is added to every element: from the
 stream of (`seed`, variable position, NOISE_STREAM) when a seed is given (the same bytes
 on every replica), else fresh from the operating system's secure random source: noise
@@ -15,16 +17,20 @@ from typing import Any
 
 import numpy as np
 
+from pergrad.server.engine import in_pass
 from pergrad.server.engine.grads import Grad
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import weighted_sum
 from pergrad.server.engine.reductions.norms import squared
 from pergrad.server.engine.reductions.random_streams import gaussian, secure_gaussian, stream_key
+from pergrad.server.errors import InvalidArgument
 
 NOISE_STREAM = 2
 
 
 class ClippedSum:
+    IN_PASS = in_pass.CLIPPED_SUM
+
     def __init__(
         self,
         variables: Sequence[Selected],
@@ -34,18 +40,31 @@ class ClippedSum:
         seed: int | None,
     ) -> None:
         self._variables = variables
-        self._max_norm = float(max_norm)
+        self.max_norm = float(max_norm)
         self._noise = float(noise_multiplier)
+        if self._noise * self.max_norm > np.finfo(np.float32).max:
+            raise InvalidArgument(
+                f"noise_multiplier * max_norm = {self._noise * self.max_norm:g} overflows "
+                "float32, the sums' dtype: lower one of them"
+            )
         self._seed = seed
         self._sums = {v.name: np.zeros(v.shape, np.float32) for v in variables}
         self._norms: list[np.ndarray] = []
 
     def add(self, grads: Mapping[str, Grad]) -> None:
         norms = np.sqrt(sum(squared(self._variables, grads).values()))
-        scale = np.minimum(1.0, self._max_norm / np.maximum(norms, 1e-30))
+        scale = np.minimum(1.0, self.max_norm / np.maximum(norms, 1e-30))
         for v in self._variables:
             self._sums[v.name] += weighted_sum(grads[v.name], scale, v.shape)
         self._norms.append(norms)
+
+    def add_in_pass(
+        self, squares: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray]
+    ) -> None:
+        """One slice's squared norms and clipped sums per variable, from the pass itself."""
+        self._norms.append(np.sqrt(sum(s.astype(np.float64) for s in squares.values())))
+        for name, total in sums.items():
+            self._sums[name] += total
 
     def _standard_noise(self, variable: Selected) -> np.ndarray:
         if self._seed is None:
@@ -56,13 +75,13 @@ class ClippedSum:
     def finish(self) -> dict[str, Any]:
         norms = np.concatenate(self._norms)
         if self._noise:
-            std = self._noise * self._max_norm
+            std = self._noise * self.max_norm
             for v in self._variables:
                 self._sums[v.name] += np.float32(std) * self._standard_noise(v)
         return {
             "clipped_sum": self._sums,
             "norms": norms.astype(np.float32),
-            "num_clipped": int((norms > self._max_norm).sum()),
+            "num_clipped": int((norms > self.max_norm).sum()),
         }
 
 

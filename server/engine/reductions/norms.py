@@ -1,4 +1,8 @@
-"""NORMS: each example's gradient L2 norm, whole and per variable, never forming it."""
+"""NORMS: each example's gradient L2 norm, whole and per variable, never forming it.
+
+Computed inside the pass (`in_pass`, float32) when a request has its passes to itself;
+from the numpy factors (float64) when it shares them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from pergrad.server.engine import in_pass
 from pergrad.server.engine.grads import Grad
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import squared_norms
@@ -17,12 +22,21 @@ def squared(variables: Sequence[Selected], grads: Mapping[str, Grad]) -> dict[st
 
 
 class Norms:
+    IN_PASS = in_pass.NORMS
+    max_norm = 0.0  # the in-pass function's argument, unused by norms
+
     def __init__(self, variables: Sequence[Selected]) -> None:
         self._variables = variables
         self._parts: list[dict[str, np.ndarray]] = []
 
     def add(self, grads: Mapping[str, Grad]) -> None:
         self._parts.append(squared(self._variables, grads))
+
+    def add_in_pass(
+        self, squares: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray]
+    ) -> None:
+        """One slice's squared norms per variable, from the pass itself."""
+        self._parts.append(dict(squares))
 
     def finish(self) -> dict[str, Any]:
         per_variable = {

@@ -1,23 +1,36 @@
-"""The engine against the batch-size-1 loop, on every model the server ships and more."""
+"""The engine against the Keras-only oracle (tests/oracle.py), on every model the server
+ships and more."""
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 import keras
 import numpy as np
 import pytest
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.reference import References
+from pergrad.server.engine.compiled import XLA_MARGIN
 from pergrad.server.engine.rules import LayerRegistry
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests import oracle
 from tests.helpers import assert_close, batch_for, tabular_model
 
 
-def _engine(name: str) -> Engine:
+def _model_and_loss(name: str) -> tuple[keras.Model, Any]:
+    """A model and the Keras loss it is trained on: the .keras model's compiled one."""
     if name == "tabular":
-        return Engine(tabular_model(), jit_compile=False)
-    return Engine(BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
+        model = tabular_model()
+        return model, model.loss
+    return BUILTIN_MODELS[name](), LOSS
+
+
+def _engine(name: str, **settings: Any) -> tuple[Engine, Any]:
+    """The engine on a fresh model (no XLA unless `settings` say), and the model's loss."""
+    model, loss = _model_and_loss(name)
+    return Engine(model, loss=loss, **{"jit_compile": False, **settings}), loss
 
 
 def _batch(engine: Engine, size: int, seed: int = 0):
@@ -27,30 +40,39 @@ def _batch(engine: Engine, size: int, seed: int = 0):
 MODELS = ["mnist_mlp", "mnist_cnn", "tabular"]
 
 
+def _check_against_oracle(
+    engine: Engine, loss: Any, x: Any, y: Any, weights: dict[str, np.ndarray] | None = None
+) -> None:
+    """Losses and gradients (keyed by the model's variable paths) equal the oracle's; the
+    engine takes `weights` ({path: value}) in model order, as a snapshot holds them."""
+    trainable = (
+        None if weights is None else [weights[v.path] for v in engine.model.trainable_variables]
+    )
+    result = engine.per_example_gradients(x, y, trainable=trainable)
+    losses, grads = oracle.per_example(engine.model, loss, x, y, weights=weights)
+    assert_close({"losses": result.losses}, {"losses": losses})
+    assert_close(result.gradients, grads)
+
+
 @pytest.mark.parametrize("batch_size", [1, 7, 64])
 @pytest.mark.parametrize("name", MODELS)
-def test_per_example_gradients_match_batch_size_one_loop(name: str, batch_size: int) -> None:
-    engine = _engine(name)
-    x, y = _batch(engine, batch_size)
-    result = engine.per_example_gradients(x, y)
-    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    assert_close({"losses": result.losses}, {"losses": losses})
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+def test_per_example_gradients_match_keras_oracle(name: str, batch_size: int) -> None:
+    engine, loss = _engine(name)
+    _check_against_oracle(engine, loss, *_batch(engine, batch_size))
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_mean_of_per_example_gradients_is_batch_gradient(name: str) -> None:
-    engine = _engine(name)
+def test_mean_of_per_example_gradients_is_keras_batch_gradient(name: str) -> None:
+    engine, loss = _engine(name)
     x, y = _batch(engine, 32, seed=1)
     result = engine.per_example_gradients(x, y)
-    _, mean_grads = References(engine.model, engine.loss).mean_gradient(x, y)
     means = {k: v.mean(axis=0) for k, v in result.gradients.items()}
-    assert_close(means, dict(zip(means, mean_grads, strict=True)))
+    assert_close(means, oracle.batch_gradient(engine.model, loss, x, y))
 
 
 @pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn"])
 def test_slices_give_the_same_result_as_one_pass(name: str) -> None:
-    whole = _engine(name)
+    whole, _ = _engine(name)
     sliced = Engine(whole.model, loss=LOSS, slice_bytes=1, jit_compile=False)
     assert sliced.slice_size == 1
     x, y = _batch(whole, 10)
@@ -60,7 +82,7 @@ def test_slices_give_the_same_result_as_one_pass(name: str) -> None:
 
 
 def test_blocks_cover_the_batch_in_order() -> None:
-    engine = _engine("mnist_mlp")
+    engine, _ = _engine("mnist_mlp")
     x, y = _batch(engine, 10)
     whole = engine.per_example_gradients(x, y)
     bounds = []
@@ -72,7 +94,7 @@ def test_blocks_cover_the_batch_in_order() -> None:
 
 
 def test_out_buffers_are_refilled_in_place() -> None:
-    engine = _engine("mnist_mlp")
+    engine, _ = _engine("mnist_mlp")
     x, y = _batch(engine, 6)
     first = engine.per_example_gradients(x, y)
     kernel = first.gradients["hidden/kernel"]
@@ -83,12 +105,9 @@ def test_out_buffers_are_refilled_in_place() -> None:
 
 
 def test_given_weights_are_used_instead_of_the_models() -> None:
-    engine = _engine("mnist_mlp")
-    x, y = _batch(engine, 4)
-    doubled = [w * 2 for w in engine.initial_weights()]
-    result = engine.per_example_gradients(x, y, trainable=doubled)
-    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y, trainable=doubled)
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    engine, loss = _engine("mnist_mlp")
+    doubled = {v.path: v.numpy() * 2 for v in engine.model.trainable_variables}
+    _check_against_oracle(engine, loss, *_batch(engine, 4), weights=doubled)
 
 
 def test_sequence_outputs_average_loss_over_time_steps() -> None:
@@ -99,10 +118,7 @@ def test_sequence_outputs_average_loss_over_time_steps() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 6, 3)).astype(np.float32)
     y = rng.standard_normal((5, 6, 2)).astype(np.float32)
-    result = engine.per_example_gradients(x, y)
-    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    assert_close({"l": result.losses}, {"l": losses})
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    _check_against_oracle(engine, "mean_squared_error", x, y)
 
 
 @pytest.mark.parametrize(
@@ -118,14 +134,14 @@ def test_sequence_outputs_average_loss_over_time_steps() -> None:
     ],
 )
 def test_bad_batches_are_refused_naming_the_problem(x_shape, x_dtype, y, message) -> None:
-    engine = _engine("mnist_mlp")
+    engine, _ = _engine("mnist_mlp")
     with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]")):
         engine.iter_slices(np.zeros(x_shape, x_dtype), y)
 
 
 def test_numpy_default_dtypes_are_cast_without_loss() -> None:
     """float64 inputs and int64 labels, numpy's defaults, as the client casts them."""
-    engine = _engine("mnist_mlp")
+    engine, _ = _engine("mnist_mlp")
     x, y = _batch(engine, 3)
     cast = engine.per_example_gradients(np.asfortranarray(x.astype(np.float64)), y.astype(int))
     exact = engine.per_example_gradients(x, y)
@@ -141,43 +157,37 @@ def test_model_without_loss_is_refused() -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_vectorized_route_alone_matches_batch_size_one_loop(name: str) -> None:
-    model = _engine(name).model
-    engine = Engine(
-        model,
-        loss=model.loss if name == "tabular" else LOSS,
-        registry=LayerRegistry(),
-        jit_compile=False,
-    )
-    assert len(engine.plan.fallback) == len(model.trainable_variables)
-    x, y = _batch(engine, 6)
-    result = engine.per_example_gradients(x, y)
-    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+def test_vectorized_route_alone_matches_keras_oracle(name: str) -> None:
+    engine, loss = _engine(name, registry=LayerRegistry())
+    assert len(engine.plan.fallback) == len(engine.model.trainable_variables)
+    _check_against_oracle(engine, loss, *_batch(engine, 6))
 
 
 def test_xla_pads_odd_slices_and_drops_the_padding() -> None:
-    engine = Engine(BUILTIN_MODELS["transformer_block"](), loss=LOSS, jit_compile=True)
+    engine, loss = _engine("transformer_block", jit_compile=True)
     rng = np.random.default_rng(2)
     x = rng.integers(0, 1000, size=(5, 32)).astype(np.int32)
     y = rng.integers(0, 10, size=5).astype(np.int32)
-    result = engine.per_example_gradients(x, y)
-    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    assert result.losses.shape == (5,)
-    assert_close({"losses": result.losses}, {"losses": losses})
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    assert engine.per_example_gradients(x, y).losses.shape == (5,)
+    _check_against_oracle(engine, loss, x, y)
 
 
-def test_auto_jit_picks_a_route_and_stays_correct() -> None:
-    engine = Engine(BUILTIN_MODELS["mnist_mlp"](), loss=LOSS, jit_compile="auto")
-    x, y = _batch(engine, 3)
-    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    result = engine.per_example_gradients(x, y)
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+AUTO_CHOICE = re.compile(r"XLA (on|off): ([\d.]+) ms with, ([\d.]+) ms without, medians of")
+
+
+def test_auto_jit_keeps_xla_only_where_it_measured_clearly_faster() -> None:
+    """mnist_mlp compiles under XLA and is all ruled: "auto" times both and keeps XLA
+    exactly when its median is below XLA_MARGIN of the plain graph's."""
+    engine, loss = _engine("mnist_mlp", jit_compile="auto")
+    choice = AUTO_CHOICE.search(engine.summary)
+    assert choice, engine.summary
+    with_xla, without = float(choice.group(2)), float(choice.group(3))
+    assert (choice.group(1) == "on") == (with_xla < XLA_MARGIN * without), engine.summary
+    _check_against_oracle(engine, loss, *_batch(engine, 3))
 
 
 def test_cancelled_work_stops_at_the_next_slice() -> None:
-    engine = Engine(BUILTIN_MODELS["mnist_mlp"](), loss=LOSS, slice_bytes=1, jit_compile=False)
+    engine, _ = _engine("mnist_mlp", slice_bytes=1)
     x, y = _batch(engine, 5)
     asked = []
 

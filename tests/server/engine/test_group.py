@@ -11,6 +11,7 @@ from pergrad.server.engine import Engine
 from pergrad.server.engine.group import Job, compute_group, packs
 from pergrad.server.errors import Cancelled
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from tests import oracle
 from tests.helpers import assert_close, batch_for
 
 GRANULE = 32
@@ -57,3 +58,16 @@ def test_a_cancelled_job_is_skipped_and_its_neighbours_are_not(engine: Engine) -
     assert isinstance(error, Cancelled)
     alone = compute_group(engine, [_job(engine, 4, 1, reduction="norms")], granule=GRANULE)[0]
     np.testing.assert_array_equal(result.norms, alone.norms)
+
+
+def test_shared_clipped_sums_straddling_the_bound_match_the_oracle(engine: Engine) -> None:
+    x, y = batch_for((28, 28, 1), 10, 8, seed=3)
+    _, grads = oracle.per_example(engine.model, LOSS, x.astype(np.float32), y)
+    norms = oracle.per_example_norms(grads)
+    max_norm = float(np.median(norms)) * (1 + 5e-4)  # some clipped, one just under
+    job = Job(engine.batch(x, y), engine.sink(8, reduction="clipped_sum", max_norm=max_norm), None)
+    (result,) = compute_group(engine, [job], granule=GRANULE)
+    assert result.num_clipped == int((norms > max_norm).sum()) > 0
+    want = oracle.clipped_sum(grads, max_norm)
+    for name, value in want.items():
+        np.testing.assert_allclose(result.clipped_sum[name], value, rtol=2e-5, atol=1e-6)

@@ -1,14 +1,18 @@
-"""Every reduction equals the same statistic computed in numpy from full per-example tensors."""
+"""Every reduction equals the same statistic computed in numpy from full per-example tensors:
+the engine's own, and the Keras-only oracle's (tests/oracle.py) where it matters most."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
+from scipy.stats import chi2
 
 from pergrad.server.engine import Engine
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
-from tests import spec_random
+from tests import oracle, spec_random
 from tests.helpers import assert_close, tabular_model
 
 MODELS = ["mnist_mlp", "mnist_cnn", "transformer_block", "tabular"]
@@ -31,6 +35,12 @@ def _batch(engine: Engine, size: int = 7, seed: int = 0):
     else:
         x = rng.standard_normal(shape).astype(np.float32)
     return x, rng.integers(0, engine.label_spec.num_classes, size=size).astype(np.int32)
+
+
+def _oracle(engine: Engine, x, y) -> dict[str, np.ndarray]:
+    """The oracle's per-example gradients under the model's Keras loss."""
+    loss = getattr(engine.model, "loss", None) or LOSS  # the .keras model's compiled loss
+    return oracle.per_example(engine.model, loss, x, y)[1]
 
 
 def _full(engine: Engine, x, y) -> dict[str, np.ndarray]:
@@ -71,6 +81,59 @@ def test_clipped_sum_matches_clipping_full_tensors(name: str) -> None:
     assert_close({"norms": result.norms}, {"norms": norms})
 
 
+# How far from the bound, relative, the median example's norm sits: far beyond float32's
+# rounding of a norm (~1e-7), well within the 1e-3 where clipping barely changes anything.
+NEAR_BOUND = 5e-4
+SIDES = {"just_below_the_bound": 1 + NEAR_BOUND, "just_above_the_bound": 1 - NEAR_BOUND}
+
+
+def _bound_near_the_median(norms: np.ndarray, side: str) -> tuple[float, int]:
+    """(max_norm, the median example): max_norm is the median oracle norm moved by
+    NEAR_BOUND so that the median example sits on `side` of it."""
+    median = int(np.argsort(norms)[len(norms) // 2])
+    max_norm = float(norms[median] * SIDES[side])
+    # No norm so near the bound that float32 rounding could put it on the other side.
+    assert np.min(np.abs(norms / max_norm - 1)) > 1e-5
+    return max_norm, median
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+@pytest.mark.parametrize("name", MODELS)
+def test_clipped_sum_with_norms_straddling_the_bound_matches_oracle(name: str, side: str) -> None:
+    """About half the examples clipped, one within 1e-3 of the bound: num_clipped, the norms
+    and sum_b min(1, C / ||g_b||) g_b against float64 numpy on the oracle's gradients."""
+    engine = _engine(name)
+    x, y = _batch(engine)
+    grads = _oracle(engine, x, y)
+    norms = oracle.per_example_norms(grads)
+    max_norm, _ = _bound_near_the_median(norms, side)
+    result = engine.per_example_gradients(x, y, reduction="clipped_sum", max_norm=max_norm)
+    assert result.num_clipped == int(np.sum(norms > max_norm))
+    assert 0 < result.num_clipped < len(norms)
+    assert_close({"norms": result.norms}, {"norms": norms})
+    assert_close(result.clipped_sum, oracle.clipped_sum(grads, max_norm))
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+@pytest.mark.parametrize("name", MODELS)
+def test_an_example_at_the_bound_is_scaled_by_min_of_1_and_bound_over_norm(
+    name: str, side: str
+) -> None:
+    """The median example alone, NEAR_BOUND from the bound: just above it, its gradient
+    scaled by C / ||g|| (1 - 5e-4, fifty times the tolerance away from 1); below it, not."""
+    engine = _engine(name)
+    x, y = _batch(engine)
+    grads = _oracle(engine, x, y)
+    norms = oracle.per_example_norms(grads)
+    max_norm, m = _bound_near_the_median(norms, side)
+    one = engine.per_example_gradients(
+        x[m : m + 1], y[m : m + 1], reduction="clipped_sum", max_norm=max_norm
+    )
+    scale = min(1.0, max_norm / norms[m])
+    assert one.num_clipped == int(scale < 1) == int(side == "just_above_the_bound")
+    assert_close(one.clipped_sum, {k: scale * g[m].astype(np.float64) for k, g in grads.items()})
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_moments_match_sums_of_full_tensors(name: str) -> None:
     engine = _engine(name)
@@ -108,8 +171,8 @@ def test_projections_match_the_matrix_the_wire_contract_defines(name: str, kind:
     full = _full(engine, x, y)
     result = engine.per_example_gradients(x, y, reduction="project", dim=8, seed=5, kind=kind)
     matrices = {
-        v.name: spec_random.projection_matrix(5, v.index, v.shape, 8, kind)
-        for v in engine.variables
+        v.path: spec_random.projection_matrix(5, index, tuple(v.shape), 8, kind)
+        for index, v in enumerate(engine.model.trainable_variables)
     }
     expected = sum(g.reshape(len(g), -1) @ matrices[k].T for k, g in full.items()) / np.sqrt(8)
     assert_close({"projections": result.projections}, {"projections": expected})
@@ -123,6 +186,31 @@ def test_projection_preserves_norms_on_average() -> None:
     ratio = np.linalg.norm(result.projections, axis=1) / norms
     # JL with k=4096 rows: each ratio is within a few percent of 1.
     assert np.all(np.abs(ratio - 1) < 0.1), ratio
+
+
+def _squared_projections(engine: Engine, x: Any, y: Any, seed: int, **options) -> np.ndarray:
+    result = engine.per_example_gradients(x, y, reduction="project", seed=seed, **options)
+    return np.sum(np.square(result.projections.astype(np.float64)), axis=1)
+
+
+def test_gaussian_projection_preserves_squared_norms_within_chi_square_bounds() -> None:
+    """Dense Gaussian R (every variable of mnist_cnn but the Dense kernels, whose rows are
+    Kronecker products): for each example, dim ||R g / sqrt(dim)||^2 / ||g||^2 is
+    chi-square with dim degrees of freedom (mean dim: the expectation is ||g||^2, variance
+    2 dim), and independent seeds add up to chi-square with seeds x dim. Its two-sided
+    1e-9 quantiles (over all examples) bound it: about +-10% of the mean here."""
+    engine = _engine("mnist_cnn")
+    dense = [v.path for v in engine.model.trainable_variables if len(v.shape) != 2]
+    x, y = _batch(engine, size=4)
+    grads = _oracle(engine, x, y)
+    squared = oracle.per_example_norms({name: grads[name] for name in dense}) ** 2
+    dim, seeds = 512, range(16)
+    options = {"dim": dim, "kind": "gaussian", "variables": dense}
+    total = sum(_squared_projections(engine, x, y, seed, **options) for seed in seeds)
+    statistic, dof = dim * total / squared, dim * len(seeds)
+    tail = 1e-9 / (2 * len(x))
+    low, high = chi2.ppf(tail, dof), chi2.isf(tail, dof)
+    assert np.all((low < statistic) & (statistic < high)), (statistic / dof, low / dof, high / dof)
 
 
 def test_same_seed_gives_the_same_projection_on_another_engine() -> None:
@@ -213,3 +301,12 @@ def test_bad_reduction_options_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         engine.per_example_gradients(x, y, **kwargs)
     assert message in str(err.value)
+
+
+def test_noise_whose_std_overflows_float32_is_refused() -> None:
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine)
+    with pytest.raises(InvalidArgument, match="overflows float32"):
+        engine.per_example_gradients(
+            x, y, reduction="clipped_sum", max_norm=1e300, noise_multiplier=1.0, seed=1
+        )

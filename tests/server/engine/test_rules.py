@@ -1,4 +1,5 @@
-"""Every closed-form rule against the batch-size-1 loop, one layer configuration per case.
+"""Every closed-form rule against the Keras-only oracle (tests/oracle.py), one layer
+configuration per case.
 
 Each case also asserts that the rule, not the vectorized fallback, produced the result.
 """
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.reference import References
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS, PositionEmbedding
+from tests import oracle
 from tests.helpers import assert_close
 
 L = keras.layers
@@ -145,14 +146,14 @@ def _text(body: Callable, *, mask_zero: bool = False) -> keras.Model:
 
 
 def _batch_norm() -> keras.layers.BatchNormalization:
-    """Non-trivial moving statistics, so the rule must use them."""
-    layer = L.BatchNormalization(
+    """Non-trivial moving statistics (means around 0, variances in [0.5, 2]), so the rule
+    must use both."""
+    return L.BatchNormalization(
         moving_mean_initializer=_init(10),
-        moving_variance_initializer="ones",
+        moving_variance_initializer=keras.initializers.RandomUniform(0.5, 2.0, seed=14),
         gamma_initializer=_init(11),
         beta_initializer=_init(12),
     )
-    return layer
 
 
 def _shared_dense() -> keras.Model:
@@ -171,31 +172,33 @@ def _inputs(model: keras.Model, batch: int) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, 4, size=batch).astype(np.int32)
 
 
-def _check_against_loop(engine: Engine, batch: int = 5) -> None:
-    x, y = _inputs(engine.model, batch)
+def _check_against_oracle(engine: Engine, x: np.ndarray, y: np.ndarray) -> None:
+    """Losses and gradients (keyed by the model's variable paths) equal the oracle's."""
     result = engine.per_example_gradients(x, y)
-    losses, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
+    losses, grads = oracle.per_example(engine.model, LOSS, x, y)
     assert_close({"losses": result.losses}, {"losses": losses})
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    assert_close(result.gradients, grads)
+
+
+def _check_random_batch(engine: Engine, batch: int = 5) -> None:
+    _check_against_oracle(engine, *_inputs(engine.model, batch))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_rule_matches_batch_size_one_loop(case: str) -> None:
+def test_rule_matches_keras_oracle(case: str) -> None:
     engine = Engine(CASES[case](), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == (), engine.plan.describe()
-    _check_against_loop(engine)
+    _check_random_batch(engine)
 
 
 @pytest.mark.parametrize("name", ["transformer_block", "wide_mlp"])
-def test_builtin_model_matches_batch_size_one_loop(name: str) -> None:
+def test_builtin_model_matches_keras_oracle(name: str) -> None:
     engine = Engine(BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == ()
     x, y = _inputs(engine.model, 3)
     if name == "transformer_block":
         x = np.random.default_rng(1).integers(0, 1000, size=(3, 32)).astype(np.int32)
-    result = engine.per_example_gradients(x, y)
-    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    _check_against_oracle(engine, x, y)
 
 
 class Scale(L.Layer):
@@ -216,7 +219,7 @@ def test_model_mixing_ruled_and_unruled_layers() -> None:
     engine = Engine(model, loss=LOSS, jit_compile=False)
     assert [model.trainable_variables[i].path for i in engine.plan.fallback] == ["unruled/scale"]
     assert "vectorized fallback: unruled (no rule for Scale)" in engine.plan.describe()
-    _check_against_loop(engine)
+    _check_random_batch(engine)
 
 
 def test_conv1d_text_model() -> None:
@@ -226,7 +229,7 @@ def test_conv1d_text_model() -> None:
     h = L.GlobalMaxPooling1D()(h)
     engine = Engine(keras.Model(tokens, _head(h)), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == ()
-    _check_against_loop(engine, batch=7)
+    _check_random_batch(engine, batch=7)
 
 
 def test_nested_sequential_inside_functional() -> None:
@@ -241,7 +244,7 @@ def test_nested_sequential_inside_functional() -> None:
     inputs = keras.Input((6, 6, 1))
     engine = Engine(keras.Model(inputs, _head(block(inputs))), loss=LOSS, jit_compile=False)
     assert engine.plan.fallback == ()
-    _check_against_loop(engine)
+    _check_random_batch(engine)
 
 
 def test_capturing_leaves_the_model_unchanged() -> None:
@@ -254,10 +257,10 @@ def test_capturing_leaves_the_model_unchanged() -> None:
 
 
 @pytest.mark.parametrize("case", ["conv2d_dilated_grouped", "embedding", "layer_norm", "dense"])
-def test_xla_compiled_rule_matches_batch_size_one_loop(case: str) -> None:
+def test_xla_compiled_rule_matches_keras_oracle(case: str) -> None:
     engine = Engine(CASES[case](), loss=LOSS, jit_compile=True)
     assert "XLA on" in engine.summary
-    _check_against_loop(engine, batch=5)
+    _check_random_batch(engine, batch=5)
 
 
 @pytest.mark.parametrize(
@@ -270,10 +273,10 @@ def test_xla_compiled_rule_matches_batch_size_one_loop(case: str) -> None:
         "stacked_gru_lstm",
     ],
 )
-def test_recurrent_models_in_auto_mode_match_batch_size_one_loop(case: str) -> None:
+def test_recurrent_models_in_auto_mode_match_keras_oracle(case: str) -> None:
     engine = Engine(CASES[case](), loss=LOSS, jit_compile="auto")
     assert engine.plan.fallback == (), engine.plan.describe()
-    _check_against_loop(engine, batch=5)
+    _check_random_batch(engine, batch=5)
 
 
 def test_auto_mode_runs_without_xla_where_xla_cannot_compile() -> None:
@@ -288,7 +291,4 @@ def test_auto_mode_runs_without_xla_where_xla_cannot_compile() -> None:
     )
     assert "XLA off: it cannot compile this model" in engine.summary
     x = np.random.default_rng(3).integers(0, 20, size=(4, 9)).astype(np.int32)
-    y = np.arange(4, dtype=np.int32) % 4
-    result = engine.per_example_gradients(x, y)
-    _, grads = References(engine.model, engine.loss).batch_size_one_loop(x, y)
-    assert_close(result.gradients, dict(zip(result.gradients, grads, strict=True)))
+    _check_against_oracle(engine, x, np.arange(4, dtype=np.int32) % 4)

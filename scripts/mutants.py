@@ -1,0 +1,324 @@
+"""Plant realistic bugs, one at a time, and check that the tests catch each (`make mutants`).
+
+The repository's files (tracked and untracked, as `git ls-files` lists them) are copied to
+a scratch directory; an import directory there maps `pergrad.*` onto the copy's folders as
+pyproject.toml's package-dir does, and goes first on PYTHONPATH, so the tests (and the
+servers they start) run the copy's code. The tests of every mutant first run on the
+unchanged copy and must pass. Then each mutant's edits are made, its tests run, and the
+mutant is reported killed, naming the tests that failed, or SURVIVED.
+
+Each edit names its anchor, text that must occur exactly once in its file: when the code
+changes so that an anchor is gone, the script stops before running anything and says which.
+
+    python scripts/mutants.py [--keep] [NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the dev extra's build tools bring tomli there
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str
+    anchor: str
+    replacement: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant(
+        "loss_sum_over_time_steps",
+        "a sequence's per-example loss sums its time steps instead of averaging them",
+        (
+            Edit(
+                "server/engine/losses.py",
+                "return tf.reduce_mean(values, axis=axes) if axes else values",
+                "return tf.reduce_sum(values, axis=axes) if axes else values",
+            ),
+        ),
+        ("tests/server/engine/test_engine.py", "tests/server/engine/test_losses.py"),
+    ),
+    Mutant(
+        "clip_scale_off_by_1e-3",
+        "the clipping scale inside the pass uses max_norm * (1 + 1e-3)",
+        (
+            Edit(
+                "server/engine/in_pass.py",
+                "scale = tf.minimum(1.0, max_norm / tf.maximum(norms, 1e-30)) * rows",
+                "scale = tf.minimum(1.0, max_norm * (1 + 1e-3) / tf.maximum(norms, 1e-30)) * rows",
+            ),
+        ),
+        ("tests/server/engine/test_reductions.py",),
+    ),
+    Mutant(
+        "shared_clip_scale_off_by_1e-3",
+        "the clipping scale of requests sharing a pass uses max_norm * (1 + 1e-3)",
+        (
+            Edit(
+                "server/engine/reductions/clipped_sum.py",
+                "scale = np.minimum(1.0, self.max_norm / np.maximum(norms, 1e-30))",
+                "scale = np.minimum(1.0, self.max_norm * (1 + 1e-3) / np.maximum(norms, 1e-30))",
+            ),
+        ),
+        ("tests/server/engine/test_group.py",),
+    ),
+    Mutant(
+        "dense_bias_mean_over_steps",
+        "Dense's per-example bias gradient averages over the steps instead of summing",
+        (
+            Edit(
+                "server/engine/rules/dense.py",
+                "grads[layer.bias.path] = tf.reduce_sum(g, axis=1)",
+                "grads[layer.bias.path] = tf.reduce_mean(g, axis=1)",
+            ),
+        ),
+        ("tests/server/engine/test_rules.py",),
+    ),
+    Mutant(
+        "chunk_offset_one_element_early",
+        "reassembly writes every chunk after a tensor's first one element early",
+        (
+            Edit(
+                "wire/codec.py",
+                "        target[filled:end] = data\n",
+                "        shift = self._arrays[tensor].itemsize if filled else 0\n"
+                "        target[filled - shift : end - shift] = data\n",
+            ),
+        ),
+        ("tests/wire/test_codec.py",),
+    ),
+    Mutant(
+        "weights_replaced_one_by_one",
+        "SetWeights writes the variables one by one into the current snapshot, refusing a "
+        "non-finite one when it reaches it",
+        (
+            Edit(
+                "server/weights.py",
+                "Snapshot(1, tuple(initial), ",
+                "Snapshot(1, list(initial), ",
+            ),
+            Edit(
+                "server/weights.py",
+                "        if bad:\n"
+                '            raise InvalidArgument(f"weights {bad} hold NaN or infinity; '
+                'nothing was changed")\n',
+                "",
+            ),
+            Edit(
+                "server/weights.py",
+                "            self._current = Snapshot(version, tensors, identity)\n"
+                "            return self._current\n",
+                "            for i, (tensor, array) in enumerate(zip(tensors, ordered)):\n"
+                "                if not _finite(array):\n"
+                '                    raise InvalidArgument(f"weights {bad} hold NaN or infinity")\n'
+                "                current.trainable[i] = tensor\n"
+                '            object.__setattr__(current, "version", version)\n'
+                '            object.__setattr__(current, "weights_id", identity)\n'
+                "            return current\n",
+            ),
+        ),
+        ("tests/server/test_weights.py",),
+    ),
+    Mutant(
+        "noise_seed_plus_one",
+        "seeded noise comes from the stream of seed + 1",
+        (
+            Edit(
+                "server/engine/reductions/clipped_sum.py",
+                "key = stream_key(self._seed, variable.index, NOISE_STREAM)",
+                "key = stream_key(self._seed + 1, variable.index, NOISE_STREAM)",
+            ),
+        ),
+        ("tests/server/engine/test_reductions.py",),
+    ),
+)
+
+
+def fail(message: str) -> SystemExit:
+    return SystemExit(f"mutants: {message}")
+
+
+def copy_repository(scratch: Path) -> None:
+    """Every file git knows of or would add (tracked, or untracked and not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():  # a tracked file deleted in the work tree is left out
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, scratch / name)
+
+
+def package_dir(scratch: Path) -> dict[str, str]:
+    """pyproject.toml's import name -> folder mapping, as setup.py reads it."""
+    config = tomllib.loads((scratch / "pyproject.toml").read_text())
+    return config["tool"]["setuptools"]["package-dir"]
+
+
+def link_packages(scratch: Path) -> Path:
+    """scratch/_import/pergrad: pyproject's package-dir as symlinks into the copy."""
+    folders = package_dir(scratch)
+    package = scratch / "_import" / "pergrad"
+    package.mkdir(parents=True)
+    for entry in (scratch / folders["pergrad"]).iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name, folder in folders.items():
+        if name != "pergrad":
+            (package / name.removeprefix("pergrad.")).symlink_to(scratch / folder)
+    return package.parent
+
+
+def check_imports(scratch: Path, env: dict[str, str]) -> None:
+    """Every pergrad package the tests import comes from the copy."""
+    names = list(package_dir(scratch))
+    code = f"import importlib\nfor n in {names!r}: print(importlib.import_module(n).__file__)"
+    found = subprocess.run(
+        [sys.executable, "-c", code], cwd=scratch, env=env, check=True, capture_output=True
+    ).stdout.decode()
+    outside = [path for path in found.split() if not Path(path).is_relative_to(scratch)]
+    if outside:
+        raise fail(f"the scratch run would import code outside the copy: {outside}")
+
+
+def check_anchors(scratch: Path, mutants: tuple[Mutant, ...]) -> None:
+    """Every anchor occurs exactly once in its file, else nothing runs."""
+    missing = []
+    for mutant in mutants:
+        for edit in mutant.edits:
+            count = (scratch / edit.path).read_text().count(edit.anchor)
+            if count != 1:
+                missing.append(f"{mutant.name}: {edit.path} holds {count} of {edit.anchor!r}")
+    if missing:
+        raise fail("anchors not found once (the code changed?):\n  " + "\n  ".join(missing))
+
+
+def plant(scratch: Path, mutant: Mutant) -> dict[Path, str]:
+    """Make the mutant's edits in order; returns the original text of every file edited."""
+    originals: dict[Path, str] = {}
+    for edit in mutant.edits:
+        path = scratch / edit.path
+        text = path.read_text()
+        originals.setdefault(path, text)
+        if text.count(edit.anchor) != 1:
+            raise fail(f"{mutant.name}: anchor gone after its earlier edits: {edit.anchor!r}")
+        path.write_text(text.replace(edit.anchor, edit.replacement))
+    return originals
+
+
+def failed_tests(report: Path) -> list[str]:
+    """Test ids that failed or errored, from pytest's JUnit XML report."""
+    failed = []
+    for case in ElementTree.parse(report).iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}")
+    return failed
+
+
+def run_tests(scratch: Path, env: dict[str, str], tests: tuple[str, ...]) -> list[str]:
+    """Run `tests` in the copy; the ids of those that failed (pytest's own errors stop)."""
+    report = scratch / "_report.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [*command, f"--junitxml={report}", *tests],
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    if done.returncode not in (0, 1):
+        raise fail(f"pytest exited {done.returncode} on {tests}:\n{done.stdout[-3000:]}")
+    failed = failed_tests(report)
+    if (done.returncode == 1) != bool(failed):
+        raise fail(f"pytest exited {done.returncode} but reported {failed}:\n{done.stdout[-3000:]}")
+    return failed
+
+
+def describe(failed: list[str], shown: int = 3) -> str:
+    if not failed:
+        return "SURVIVED"
+    more = f" (+{len(failed) - shown} more)" if len(failed) > shown else ""
+    return f"killed by {', '.join(failed[:shown])}{more}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    args = parser.parse_args()
+    unknown = sorted(set(args.names) - {m.name for m in MUTANTS})
+    if unknown:
+        raise fail(f"unknown mutants {unknown}; known: {[m.name for m in MUTANTS]}")
+    mutants = tuple(m for m in MUTANTS if not args.names or m.name in args.names)
+
+    started = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix="pergrad-mutants-")).resolve()
+    try:
+        copy_repository(scratch)
+        check_anchors(scratch, mutants)
+        imports = link_packages(scratch)
+        env = {**os.environ, "PYTHONPATH": f"{imports}{os.pathsep}{scratch}"}
+        check_imports(scratch, env)
+
+        tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+        failed = run_tests(scratch, env, tests)
+        if failed:
+            raise fail(f"the tests fail without any mutant: {failed}")
+        print(f"baseline: {len(tests)} test files pass ({time.monotonic() - started:.0f} s)")
+
+        survivors = []
+        for mutant in mutants:
+            began = time.monotonic()
+            originals = plant(scratch, mutant)
+            try:
+                failed = run_tests(scratch, env, mutant.tests)
+            finally:
+                for path, text in originals.items():
+                    path.write_text(text)
+            if not failed:
+                survivors.append(mutant.name)
+            took = time.monotonic() - began
+            print(f"{mutant.name} ({mutant.bug}): {describe(failed)} [{took:.0f} s]", flush=True)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(
+        f"{len(mutants) - len(survivors)} of {len(mutants)} mutants killed "
+        f"in {time.monotonic() - started:.0f} s" + (f"; SURVIVED: {survivors}" if survivors else "")
+    )
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
