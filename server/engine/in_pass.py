@@ -22,18 +22,15 @@ import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, Outer, Scatter
 
-NORMS = "norms"
-CLIPPED_SUM = "clipped_sum"
-KINDS = (NORMS, CLIPPED_SUM)
-
 
 @dataclass(frozen=True)
 class InPass:
-    """A reduction computed in the pass: its kind and the variables it covers (positions
-    in model order); the compiled function is made once per InPass."""
+    """A reduction computed in the pass: the variables it covers (positions in model
+    order) and whether it clips and sums them besides their norms; the compiled function
+    is made once per InPass. A reduction class says it can by `IN_PASS_CLIP`."""
 
-    kind: str
     positions: tuple[int, ...]
+    clip: bool
 
 
 def _gram_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -100,7 +97,7 @@ def reduce(
     squares = tf.stack(
         [zero if grads[i] is None else squared_norms(grads[i]) for i in spec.positions]
     )
-    if spec.kind == NORMS:
+    if not spec.clip:
         return {"squares": squares}
     norms = tf.sqrt(tf.reduce_sum(squares, 0))
     scale = tf.minimum(1.0, max_norm / tf.maximum(norms, 1e-30)) * rows

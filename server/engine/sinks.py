@@ -89,8 +89,8 @@ class Reduced:
     @property
     def in_pass(self) -> InPass | None:
         """What to compute inside the pass instead of gradients, if the reduction can."""
-        kind = getattr(self._reduction, "IN_PASS", None)
-        return None if kind is None else InPass(kind, tuple(v.index for v in self._selected))
+        clip = getattr(self._reduction, "IN_PASS_CLIP", None)
+        return None if clip is None else InPass(tuple(v.index for v in self._selected), clip)
 
     @property
     def max_norm(self) -> float:

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from pergrad.server.engine import in_pass
 from pergrad.server.engine.grads import Grad
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import weighted_sum
@@ -29,7 +28,7 @@ NOISE_STREAM = 2
 
 
 class ClippedSum:
-    IN_PASS = in_pass.CLIPPED_SUM
+    IN_PASS_CLIP = True
 
     def __init__(
         self,

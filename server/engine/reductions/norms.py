@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from pergrad.server.engine import in_pass
 from pergrad.server.engine.grads import Grad
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import squared_norms
@@ -22,7 +21,7 @@ def squared(variables: Sequence[Selected], grads: Mapping[str, Grad]) -> dict[st
 
 
 class Norms:
-    IN_PASS = in_pass.NORMS
+    IN_PASS_CLIP = False
     max_norm = 0.0  # the in-pass function's argument, unused by norms
 
     def __init__(self, variables: Sequence[Selected]) -> None:

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Outer, Scatter
-from pergrad.server.engine.in_pass import CLIPPED_SUM, InPass, reduce, squared_norms, weighted_sum
+from pergrad.server.engine.in_pass import InPass, reduce, squared_norms, weighted_sum
 
 B = 6
 rng = np.random.default_rng(0)
@@ -81,7 +81,7 @@ def test_clipped_sums_scale_each_example_and_leave_out_padding() -> None:
     rows = np.ones(B, np.float32)
     rows[-2:] = 0  # padding
     max_norm = 1.0
-    out = reduce(InPass(CLIPPED_SUM, (0, 1)), grads, [(4, 3), (5,)], tf.constant(rows), max_norm)
+    out = reduce(InPass((0, 1), clip=True), grads, [(4, 3), (5,)], tf.constant(rows), max_norm)
     formed = _formed(grads[0])
     norms = np.sqrt(np.square(formed).reshape(B, -1).sum(1))
     scale = np.minimum(1.0, max_norm / norms) * rows
