@@ -51,6 +51,12 @@ class LayerRegistry:
     def register(self, layer_class: type, rule: Rule) -> None:
         self._rules[layer_class] = rule
 
+    def without(self, layer_classes: tuple[type, ...]) -> LayerRegistry:
+        """A copy leaving these classes to the generic route (to measure a rule's gain)."""
+        copy = LayerRegistry()
+        copy._rules = {k: r for k, r in self._rules.items() if k not in layer_classes}
+        return copy
+
     def knows(self, layer: keras.layers.Layer) -> bool:
         """Whether a rule exists for this layer's class (whether or not it applies)."""
         return type(layer) in self._rules
