@@ -1,5 +1,7 @@
-"""Where errors become gRPC status codes: every servicer method is wrapped by `status`,
-and nothing else aborts a call.
+"""Where the servicer's errors become gRPC status codes: every servicer method is wrapped
+by `status`. (Interceptors answer their own refusals: `auth` UNAUTHENTICATED and
+PERMISSION_DENIED, `guard` RESOURCE_EXHAUSTED and CANCELLED for stalls; `health` ends
+its Watch streams on stop.)
 
 pergrad's own errors carry their code (`pergrad.server.errors`); malformed tensors and
 options are INVALID_ARGUMENT; anything else is a bug, logged with its traceback and

@@ -8,177 +8,41 @@ is its enum value in gradient_service.proto, one `Reduction` here, and one engin
 (`pergrad/server/engine/reductions/<name>.py`). The proto's comments state the same rules
 for readers of the wire contract; tests hold the two together.
 
+The terms the entries are written in (`Option`, `Output`, `Reduction`, `OptionError`)
+are defined in `pergrad.wire.terms` and re-exported here: import them from this module.
 No protobuf and no numpy arrays here: values are plain Python, checked by `Option.check`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
+
+from pergrad.wire.terms import Option, OptionError, Output, Reduction, Rows
+
+__all__ = [
+    "CATALOGUE",
+    "DEFAULT_REDUCTIONS",
+    "LOSSES",
+    "NONE",
+    "Catalogue",
+    "Option",
+    "OptionError",
+    "Output",
+    "Reduction",
+    "Rows",
+]
 
 NONE = "none"
-
-
-class OptionError(ValueError):
-    """An option value the reduction cannot take; the message names the option."""
-
-
-@dataclass(frozen=True)
-class Option:
-    """One keyword of a reduction, and the GradientsRequest field that carries it.
-
-    kind: "float", "int", "choice" (one of `choices`, an enum on the wire whose value
-    names are `enum_prefix` + the choice in capitals) or "tensors" (one array per
-    selected variable, a map of Tensors on the wire).
-    """
-
-    name: str
-    kind: Literal["float", "int", "choice", "tensors"]
-    help: str
-    wire_field: str = ""  # defaults to `name`
-    required: bool = False
-    default: Any = None
-    minimum: float | None = None
-    maximum: float | None = None
-    exclusive_minimum: bool = False
-    choices: tuple[str, ...] = ()
-    enum_prefix: str = ""
-    # When a batch is split into micro-batches, only the first keeps this option's value;
-    # the others take `default` (noise is added to a batch once).
-    once_per_batch: bool = False
-    # What a valid value is, in words (default: from kind, range and choices).
-    requirement: str = ""
-
-    @property
-    def field(self) -> str:
-        return self.wire_field or self.name
-
-    @property
-    def needs(self) -> str:
-        if self.requirement:
-            return self.requirement
-        if self.kind == "choice":
-            return f"one of {', '.join(self.choices)}"
-        if self.kind == "tensors":
-            return self.help
-        low, high, name = self.minimum, self.maximum, self.name
-        low_text = ""
-        if low is not None:
-            low_text = f"{_text(low)} {'<' if self.exclusive_minimum else '<='} "
-        if high is not None:
-            high_text = f" <= {_text(high)}"
-        else:
-            high_text = " < inf" if self.kind == "float" else ""
-        return f"{low_text}{name}{high_text}"
-
-    def check(self, value: Any, reduction: str) -> Any:
-        """`value` as this option holds it, or OptionError naming the option and the rule."""
-        if self.kind == "choice":
-            text = str(value).lower()
-            if text not in self.choices:
-                known = ", ".join(self.choices)
-                raise OptionError(f"{self.name}: unknown {self.name} {value!r}; known: {known}")
-            return text
-        if self.kind == "tensors":
-            if not isinstance(value, Mapping):
-                raise OptionError(f"{self.name}: {reduction} needs {self.needs}")
-            return value
-        number = self._number(value, reduction)
-        low, high = self.minimum, self.maximum
-        below = low is not None and (number <= low if self.exclusive_minimum else number < low)
-        if not math.isfinite(number) or below or (high is not None and number > high):
-            raise OptionError(f"{self.name}: {reduction} needs {self.needs}, got {value!r}")
-        return number
-
-    def _number(self, value: Any, reduction: str) -> float | int:
-        try:
-            if isinstance(value, bool | str | bytes):
-                raise TypeError
-            if self.kind == "int":
-                if int(value) != value:
-                    raise ValueError
-                return int(value)
-            return float(value)
-        except (TypeError, ValueError, OverflowError):
-            raise OptionError(
-                f"{self.name}: {reduction} needs {self.needs}, got {value!r}"
-            ) from None
-
-
-def _text(number: float) -> str:
-    return str(int(number)) if float(number).is_integer() else f"{number:g}"
-
-
-# Output shapes are tuples of tokens: "B" the batch, "var" the variable's shape, "K" the
-# number of reference rows, or an option's name whose value is the size ("dim").
-# dtype tokens: "loss" the model's output dtype, "grad" the variable's (or wire) dtype.
-Rows = Literal["example", "sum", "count"]
-
-
-@dataclass(frozen=True)
-class Output:
-    """One tensor (or one per selected variable) a reduction returns.
-
-    rows: "example" one row per example (micro-batches concatenate), "sum" summed over
-    the examples (micro-batches add), "count" an integer count (micro-batches add).
-    """
-
-    field: str
-    per_variable: bool
-    rows: Rows
-    shape: tuple[str, ...]
-    help: str
-    dtype: str = "float32"
-    file_prefix: str = ""  # the name `pergrad grads` gives it in its .npz (default: field)
-
-    @property
-    def prefix(self) -> str:
-        return self.file_prefix or self.field
-
-
-@dataclass(frozen=True)
-class Reduction:
-    name: str
-    number: int  # its value in the proto's Reduction enum (REDUCTION_<NAME in capitals>)
-    help: str
-    options: tuple[Option, ...] = ()
-    outputs: tuple[Output, ...] = ()
-
-    @property
-    def option_names(self) -> list[str]:
-        return [o.name for o in self.options]
-
-    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        """Every option checked, defaults filled in; OptionError names the first fault.
-        (`Catalogue.check_options` also says which reductions take an unknown option.)"""
-        unknown = sorted(set(options) - set(self.option_names))
-        if unknown:
-            takes = sorted(self.option_names)
-            raise OptionError(
-                f"{unknown}: not options of reduction {self.name!r}, which takes {takes}"
-            )
-        checked = {}
-        for option in self.options:
-            value = options.get(option.name)
-            if value is None:
-                if option.required:
-                    raise OptionError(f"{option.name}: {self.name} needs {option.needs}")
-                checked[option.name] = option.default
-            else:
-                checked[option.name] = option.check(value, self.name)
-        return checked
 
 
 LOSSES = Output(
     "losses", False, "example", ("B",), "each example's loss, with every reduction", "loss"
 )
 
-_NOISE_HELP = (
-    "Gaussian noise of std noise_multiplier * max_norm added to every element of the sum"
-)
+_NOISE_HELP = "Gaussian noise of std noise_multiplier * max_norm added to every element of the sum"
 DEFAULT_REDUCTIONS = (
     Reduction(
         NONE,
@@ -194,9 +58,7 @@ DEFAULT_REDUCTIONS = (
             ),
         ),
         outputs=(
-            Output(
-                "gradients", True, "example", ("B", "var"), "g_b per variable", "grad", "grad"
-            ),
+            Output("gradients", True, "example", ("B", "var"), "g_b per variable", "grad", "grad"),
         ),
     ),
     Reduction(

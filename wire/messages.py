@@ -45,8 +45,9 @@ def _enum_choice(option: Option, number: int) -> str:
 
 def _set_option(request: pb.GradientsRequest, option: Option, value: Any) -> None:
     if option.kind == "tensors":
+        tensors = getattr(request, option.field)
         for name, array in value.items():
-            request.reference[name].CopyFrom(encode_tensor(np.asarray(array, np.float32)))
+            tensors[name].CopyFrom(encode_tensor(np.asarray(array, np.float32)))
     elif option.kind == "choice":
         setattr(request, option.field, _enum_number(option, value))
     else:

@@ -122,21 +122,30 @@ def expected_outputs(
     for output in (LOSSES, *reduction.outputs):
         targets = variables if output.per_variable else [("", ())]
         for name, shape in targets:
-            dims = [_size(token, batch, shape, options) for token in output.shape]
+            dims = [_size(token, batch, shape, options, reduction) for token in output.shape]
             expected.append(ExpectedOutput(output, name, tuple(d for dim in dims for d in dim)))
     return expected
 
 
 def _size(
-    token: str, batch: int, shape: tuple[int, ...], options: Mapping[str, Any]
+    token: str,
+    batch: int,
+    shape: tuple[int, ...],
+    options: Mapping[str, Any],
+    reduction: Reduction,
 ) -> tuple[int, ...]:
     if token == "B":
         return (batch,)
     if token == "var":
         return tuple(shape)
     if token == "K":
-        references = list((options.get("reference") or {}).values())
-        return (int(np.shape(references[0])[0]) if references else 0,)
+        arrays = [
+            array
+            for option in reduction.options
+            if option.kind == "tensors"
+            for array in (options.get(option.name) or {}).values()
+        ]
+        return (int(np.shape(arrays[0])[0]) if arrays else 0,)
     return (int(options[token]),)
 
 

@@ -26,7 +26,7 @@ from pergrad.wire.results import GradientResult
 
 @dataclass(frozen=True)
 class Job:
-    """One request of a group (`Engine.compute_group`): its batch, where its results go,
+    """One request of a group (`compute_group`): its batch, where its results go,
     and whether its caller still wants them."""
 
     batch: Batch
