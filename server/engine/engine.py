@@ -163,7 +163,8 @@ class Engine:
     def _tensorflow_bytes(
         self, weights: Sequence[tf.Tensor], xs: tuple[np.ndarray, ...], y: np.ndarray
     ) -> int:
-        """Bytes per example of the per-example tensors TensorFlow forms (not factored ones).
+        """Bytes per example of the per-example tensors TensorFlow forms (for factored
+        gradients, their factors).
 
         Runs the pass once on two zero examples, which also keeps tracing out of the
         first request's latency, and records in `factored` which variables' gradients
@@ -175,7 +176,10 @@ class Engine:
             for name, g in grads.items()
             if isinstance(g, Outer | Scatter)
         }
-        return sum(g[0].nbytes for g in grads.values() if not isinstance(g, Outer | Scatter))
+        factors = [
+            t for g in grads.values() for t in (g if isinstance(g, Outer | Scatter) else [g])
+        ]
+        return sum(t[0].nbytes for t in factors)
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
         """The model's own trainable values, as immutable tensors."""

@@ -3,6 +3,11 @@
 Per example, with the input unfolded into patches p_b [P, k*k*C_in/G] (the receptive field
 of each of the P output positions): dW_b = sum over positions of p_b (x) g_b, per group;
 db_b = sum over positions of g_b. (Rochette et al. 2019; Opacus `conv.py`.)
+
+Without groups that is a Dense over the positions, so the kernel stays factored
+(`Outer(patches, g)`): norms choose per layer between the Gram matrices over positions,
+cost P^2 (K + C_out), and the formed kernel, cost P K C_out (mixed ghost clipping, Bu et
+al. 2022), and a clipped sum is one weighted contraction. Grouped kernels are formed.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import math
 import keras
 import tensorflow as tf
 
-from pergrad.server.engine.grads import Grad
+from pergrad.server.engine.grads import Grad, Outer, as_sequence
 from pergrad.server.engine.rules import Rule
 
 
@@ -62,22 +67,20 @@ def per_example(
 ) -> dict[str, Grad]:
     groups = layer.groups
     *window, channels_in, channels_out = layer.kernel.shape
-    batch = tf.shape(inputs)[0]
-    patches = patches_2d(layer, inputs)
+    patches, g = as_sequence(patches_2d(layer, inputs)), as_sequence(output_grad)
+    kernel: Grad
     if groups == 1:
-        patches = tf.reshape(patches, [batch, -1, math.prod(window) * channels_in])
-        kernel = tf.einsum(
-            "bpk,bpo->bko", patches, tf.reshape(output_grad, [batch, -1, channels_out])
-        )
+        kernel = Outer(patches, g)
     else:
+        batch = tf.shape(inputs)[0]
         patches = tf.reshape(patches, [batch, -1, math.prod(window), groups, channels_in])
-        g = tf.reshape(output_grad, [batch, -1, groups, channels_out // groups])
-        kernel = tf.einsum("bpkgc,bpgo->bkcgo", patches, g)
-    grads: dict[str, Grad] = {layer.kernel.path: tf.reshape(kernel, [-1, *layer.kernel.shape])}
-    if layer.use_bias:
-        grads[layer.bias.path] = tf.reduce_sum(
-            tf.reshape(output_grad, [batch, -1, channels_out]), 1
+        grouped = tf.reshape(g, [batch, -1, groups, channels_out // groups])
+        kernel = tf.reshape(
+            tf.einsum("bpkgc,bpgo->bkcgo", patches, grouped), [-1, *layer.kernel.shape]
         )
+    grads: dict[str, Grad] = {layer.kernel.path: kernel}
+    if layer.use_bias:
+        grads[layer.bias.path] = tf.reduce_sum(g, 1)
     return grads
 
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import numpy as np
 import pytest
 from scipy.stats import chi2
 
 from pergrad.server.engine import Engine
+from pergrad.server.engine.group import Job, compute_group
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle, spec_random
-from tests.helpers import assert_close, tabular_model
+from tests.helpers import assert_close, batch_for, tabular_model
 
 MODELS = ["mnist_mlp", "mnist_cnn", "transformer_block", "tabular"]
 _ENGINES: dict[str, Engine] = {}
@@ -310,3 +312,44 @@ def test_noise_whose_std_overflows_float32_is_refused() -> None:
         engine.per_example_gradients(
             x, y, reduction="clipped_sum", max_norm=1e300, noise_multiplier=1.0, seed=1
         )
+
+
+def _conv_by_both_algebras() -> keras.Model:
+    """conv1 has many positions and a small kernel (T (K + C) > K C: its kernel is formed);
+    conv2 few positions and a large one (T (K + C) < K C: Gram matrices over positions)."""
+    init = keras.initializers.GlorotUniform
+    x = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", kernel_initializer=init(1), name="conv1")(x)
+    h = keras.layers.MaxPooling2D(2)(h)
+    h = keras.layers.Conv2D(64, 3, strides=2, kernel_initializer=init(2), name="conv2")(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(x, keras.layers.Dense(5, kernel_initializer=init(3))(h))
+
+
+def _ghost(layer: keras.layers.Layer) -> bool:
+    positions = int(np.prod(layer.output.shape[1:-1]))
+    *window, channels_in, channels_out = layer.kernel.shape
+    inputs = int(np.prod(window)) * channels_in
+    return positions * (inputs + channels_out) < inputs * channels_out
+
+
+@pytest.mark.parametrize("route", ["in_pass", "shared_pass"])
+def test_conv_norms_and_clipped_sums_by_either_algebra_match_oracle(route: str) -> None:
+    """Norms and clipped sums of conv kernels, one by Gram matrices and one formed, in the
+    compiled pass and in numpy (a shared pass's route), against the oracle."""
+    model = _conv_by_both_algebras()
+    assert [_ghost(model.get_layer(n)) for n in ("conv1", "conv2")] == [False, True]
+    engine = Engine(model, loss=LOSS, jit_compile=False)
+    x, y = batch_for((12, 12, 3), 5, size=9)
+    grads = oracle.per_example(model, LOSS, x, y)[1]
+    norms = oracle.per_example_norms(grads)
+    max_norm = float(np.sort(norms)[3:5].mean())  # between two norms, none on the bound
+    options = {"reduction": "clipped_sum", "max_norm": max_norm}
+    if route == "in_pass":
+        result = engine.per_example_gradients(x, y, **options)
+    else:
+        job = Job(engine.batch(x, y), engine.sink(len(x), **options))
+        (result,) = compute_group(engine, [job], granule=16)
+    assert_close({"norms": result.norms}, {"norms": norms})
+    assert_close(result.clipped_sum, oracle.clipped_sum(grads, max_norm))
+    assert result.num_clipped == int(np.sum(norms > max_norm))
