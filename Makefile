@@ -71,6 +71,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/reductions.py
+	$(PY) benchmarks/conv_norms.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
