@@ -72,6 +72,7 @@ bench: install
 	$(PY) benchmarks/engine.py
 	$(PY) benchmarks/reductions.py
 	$(PY) benchmarks/conv_norms.py
+	$(PY) benchmarks/project_seeds.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
