@@ -16,7 +16,7 @@ from pergrad.client._channels import open_channel, replica_addresses
 from pergrad.client._credentials import Security
 from pergrad.client._spread import computed, micro_batched, spread
 from pergrad.client._stream import pipelined
-from pergrad.client._types import ModelInfo, rpc_errors
+from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
 from pergrad.client._weights import WeightsWriter, get_weights
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -45,6 +45,10 @@ class GradientClient:
         micro_batch: split a batch into micro-batches of this many examples, computed
             concurrently (on several replicas) and reassembled in order.
         retries: times a call that found its replica gone is sent again.
+        max_model_bytes: the most bytes a model's variables may declare (its ModelInfo;
+            16 GiB): what `get_weights` allocates, and full gradients per example. A
+            server declaring more, or answering anything malformed, is not believed:
+            PergradError with DATA_LOSS.
         options: extra gRPC channel options.
     """
 
@@ -58,6 +62,7 @@ class GradientClient:
         max_in_flight: int = 2,
         micro_batch: int | None = None,
         retries: int = 2,
+        max_model_bytes: int = MAX_MODEL_BYTES,
         options: Iterable[tuple[str, Any]] = (),
         **credentials: Any,
     ) -> None:
@@ -76,6 +81,16 @@ class GradientClient:
             request_serializer=pb.GradientsRequest.SerializeToString,
             response_deserializer=identity,
         )
+        self._info_call = self._channel.unary_unary(
+            method_path("GetModelInfo"),
+            request_serializer=pb.GetModelInfoRequest.SerializeToString,
+            response_deserializer=identity,
+        )
+        self._weights_call = self._channel.unary_stream(
+            method_path("GetWeights"),
+            request_serializer=pb.GetWeightsRequest.SerializeToString,
+            response_deserializer=identity,
+        )
         self._stream_call = self._channel.stream_stream(
             method_path("StreamPerExampleGradients"),
             request_serializer=pb.GradientsRequest.SerializeToString,
@@ -87,6 +102,7 @@ class GradientClient:
         self._max_in_flight = max_in_flight
         self._micro_batch = micro_batch
         self._retries = retries
+        self._max_model_bytes = max_model_bytes
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pergrad-client")
         self._infos: dict[str, ModelInfo] = {}
         # (model, version) -> weights_id, as seen: a pinned version is pinned by content.
@@ -116,10 +132,13 @@ class GradientClient:
 
     @rpc_errors
     def model_info(self, model: str, *, timeout: float | None = None) -> ModelInfo:
-        reply = self._stub.GetModelInfo(
+        reply = self._info_call(
             pb.GetModelInfoRequest(model=model), timeout=timeout or self._timeout
         )
-        info = ModelInfo.from_proto(reply)
+        with answer_checked(f"model info of {model!r}: "):
+            info = ModelInfo.from_proto(
+                pb.ModelInfo.FromString(reply), max_bytes=self._max_model_bytes
+            )
         self._infos[model] = info
         self._seen(model, info.model_version, info.weights_id)
         return info
@@ -210,9 +229,7 @@ class GradientClient:
         one server (default: no deadline) and each batch with several.
         """
         if len(self._replicas) > 1 or self._micro_batch:
-            compute = functools.partial(
-                self.per_example_gradients, model, timeout=timeout, **call
-            )
+            compute = functools.partial(self.per_example_gradients, model, timeout=timeout, **call)
             return spread(self._pool, compute, batches, self._max_in_flight)
         request = self._call(model, timeout=timeout, **call)
         results = pipelined(
@@ -229,7 +246,8 @@ class GradientClient:
         self, model: str, *, timeout: float | None = None
     ) -> tuple[int, dict[str, np.ndarray]]:
         """(version, {variable: array}) of the model's current weights."""
-        header, arrays = get_weights(self._stub, self._info(model), timeout or self._timeout)
+        info = self._info(model)
+        header, arrays = get_weights(self._weights_call, info, timeout or self._timeout)
         self._seen(model, header.model_version, header.weights_id)
         return header.model_version, arrays
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from pergrad.client._types import data_loss
+from pergrad.client._types import answer_checked
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.chunks import decode_response
 from pergrad.wire.codec import CodecError, TensorAssembler, numpy_dtype
@@ -63,7 +63,7 @@ def read_results(
     refilled if given. Any fault of the stream is a PergradError with DATA_LOSS."""
     assembler: TensorAssembler | None = None
     header, request_id = None, 0
-    try:
+    with answer_checked(""):
         for message in responses:
             part = decode_response(message)
             if part.header is not None:
@@ -82,6 +82,3 @@ def read_results(
                 assembler = None
         if assembler is not None:
             raise CodecError(f"stream ended inside result {request_id}")
-    except (CodecError, ValueError, OverflowError, MemoryError, TypeError, KeyError) as err:
-        message = str(err) if isinstance(err, CodecError) else f"{type(err).__name__}: {err}"
-        raise data_loss(message) from None

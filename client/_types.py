@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.codec import numpy_dtype
+from pergrad.wire.codec import CodecError, checked_shape, declared_nbytes, numpy_dtype
 
 _T = TypeVar("_T")
+
+# The most bytes a model's variables may declare in its ModelInfo (GradientClient's
+# `max_model_bytes`): what get_weights allocates, and full gradients per example. A
+# server declaring more is not believed (DATA_LOSS).
+MAX_MODEL_BYTES = 16 << 30
+
+# What a server's malformed answer raises as the client reads it: bytes that do not parse,
+# declarations the codec refuses, or numpy and Python refusing what was declared.
+_MALFORMED = (CodecError, DecodeError, ValueError, OverflowError, MemoryError, TypeError, KeyError)
 
 
 class PergradError(Exception):
@@ -32,6 +43,18 @@ def invalid(message: str) -> PergradError:
 
 def data_loss(message: str) -> PergradError:
     return PergradError(grpc.StatusCode.DATA_LOSS, message)
+
+
+@contextlib.contextmanager
+def answer_checked(what: str) -> Iterator[None]:
+    """Any fault of a server's answer found inside is a PergradError with DATA_LOSS, its
+    message starting with `what`. Wrap only the reading of an answer: a caller's own
+    mistakes must not become DATA_LOSS."""
+    try:
+        yield
+    except _MALFORMED as err:
+        message = str(err) if isinstance(err, CodecError) else f"{type(err).__name__}: {err}"
+        raise data_loss(f"{what}{message}") from None
 
 
 def from_rpc_error(err: grpc.RpcError) -> PergradError:
@@ -78,11 +101,23 @@ class ModelInfo:
     inputs: tuple[TensorInfo, ...] = ()  # every input, by name, in model order
 
     @classmethod
-    def from_proto(cls, info: pb.ModelInfo) -> ModelInfo:
+    def from_proto(cls, info: pb.ModelInfo, *, max_bytes: int = MAX_MODEL_BYTES) -> ModelInfo:
+        """CodecError for a dtype pergrad does not know, a variable shape that is none
+        (`codec.checked_shape`), or variables of more than `max_bytes` in all."""
+        variables = tuple(TensorInfo.from_proto(v) for v in info.variables)
+        total = sum(
+            declared_nbytes(v.dtype, checked_shape(v.shape, what=f"variable {v.name!r}"))
+            for v in variables
+        )
+        if total > max_bytes:
+            raise CodecError(
+                f"its variables declare {total} bytes, more than this client's "
+                f"max_model_bytes ({max_bytes})"
+            )
         return cls(
             name=info.name,
             model_version=info.model_version,
-            variables=tuple(TensorInfo.from_proto(v) for v in info.variables),
+            variables=variables,
             input=TensorInfo.from_proto(info.input),
             labels=TensorInfo.from_proto(info.labels),
             loss=info.loss,

@@ -9,29 +9,35 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pergrad.client._types import ModelInfo, PergradError, data_loss
+from pergrad.client._types import ModelInfo, PergradError, answer_checked
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.wire.codec import CodecError, TensorAssembler, iter_chunks, numpy_dtype, tensor_spec
 
 
 def get_weights(
-    stub: pb_grpc.GradientServiceStub, info: ModelInfo, timeout: float | None
+    call: grpc.UnaryStreamMultiCallable, info: ModelInfo, timeout: float | None
 ) -> tuple[pb.WeightsHeader, dict[str, np.ndarray]]:
-    """(header, {variable: array}); the header must list the model's variables."""
-    responses = stub.GetWeights(pb.GetWeightsRequest(model=info.name), timeout=timeout)
-    try:
-        header = next(responses).header
+    """(header, {variable: array}) from `call` (GetWeights, answering serialized
+    messages); the header must list the model's variables, so that nothing is allocated
+    beyond what its ModelInfo declared (and the client bounded)."""
+    responses = call(pb.GetWeightsRequest(model=info.name), timeout=timeout)
+    with answer_checked(f"weights of {info.name!r}: "):
+        messages = (pb.WeightsMessage.FromString(m) for m in responses)
+        first = next(messages, None)
+        if first is None or not first.HasField("header"):
+            raise CodecError("the answer does not start with a WeightsHeader")
+        header = first.header
         declared = {(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors}
         known = {(v.name, v.dtype, tuple(v.shape)) for v in info.variables}
         if declared != known or len(header.tensors) != len(known):
             raise CodecError("weights do not match the model's variables")
         assembler = TensorAssembler(header.tensors)
-        for message in responses:
+        for message in messages:
+            if not message.HasField("chunk"):
+                raise CodecError("a second header where chunks were due")
             assembler.add(message.chunk)
         arrays = assembler.arrays()
-    except (CodecError, StopIteration, ValueError, MemoryError) as err:
-        raise data_loss(f"weights of {info.name!r}: {err or type(err).__name__}") from None
     return header, {spec.name: array for spec, array in zip(header.tensors, arrays, strict=True)}
 
 
@@ -76,9 +82,7 @@ class WeightsWriter:
         new_version = 0
         if len(self._stubs) > 1:
             request = pb.GetModelInfoRequest(model=info.name)
-            versions = self.on_all(
-                lambda s: s.GetModelInfo(request, timeout=timeout).model_version
-            )
+            versions = self.on_all(lambda s: s.GetModelInfo(request, timeout=timeout).model_version)
             new_version = max(versions) + 1
 
         def send(stub: pb_grpc.GradientServiceStub) -> tuple[int, str]:

@@ -4,7 +4,9 @@ The token file holds one token per line; `token:ro` marks a read-only token, whi
 call every method but SetWeights. Blank lines and lines starting with `#` are skipped.
 A call presents its token as metadata `authorization: Bearer <token>`; a missing or
 unknown token ends it with UNAUTHENTICATED, a read-only token calling SetWeights with
-PERMISSION_DENIED. Health and reflection stay open, so probes need no token.
+PERMISSION_DENIED. Health and reflection stay open, so probes need no token. A refused
+call ends at once, before its request is read or its handler looked up: it holds no worker
+waiting for a request and no stream's place (`guard`).
 
 Tokens are compared as SHA-256 digests with `hmac.compare_digest`, every known token
 each time, so the time a check takes tells nothing about which bytes matched.
@@ -21,18 +23,10 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.handlers import replaced
-from pergrad.wire.rpc import method_path
+from pergrad.server.handlers import Kind, declared_kind_of, kind, refusal
+from pergrad.wire.rpc import OPEN_SERVICES, method_path, split_method, streaming
 
 READ_ONLY_SUFFIX = ":ro"
-# Services any caller may use: probes and tooling that only describe the server.
-OPEN_SERVICES = frozenset(
-    {
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection",
-        "grpc.reflection.v1.ServerReflection",
-    }
-)
 # Methods that change the server's state: read-write tokens only.
 WRITE_METHODS = frozenset({method_path("SetWeights")})
 
@@ -109,13 +103,18 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
-        handler = continuation(handler_call_details)
-        if handler is None or _service(method) in OPEN_SERVICES:
-            return handler
-        refusal = self._refusal(method, handler_call_details.invocation_metadata)
-        if refusal is None:
-            return handler
-        return _refusing(handler, *refusal)
+        if split_method(method)[0] in OPEN_SERVICES:
+            return continuation(handler_call_details)
+        refused = self._refusal(method, handler_call_details.invocation_metadata)
+        if refused is None:
+            return continuation(handler_call_details)
+        declared = streaming(method)
+        if declared is not None:
+            # Refused before its handler is looked up: nothing behind this interceptor (the
+            # guard, which admits streams as they arrive) sees the call.
+            return _refusing(kind(*declared), *refused)
+        handler = continuation(handler_call_details)  # another service's method, or none
+        return None if handler is None else _refusing(declared_kind_of(handler), *refused)
 
     def _refusal(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """The status a call gets instead of an answer, or None to let it through."""
@@ -126,25 +125,19 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if read_only is None:
             return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
         if read_only and method in WRITE_METHODS:
-            name = method.rpartition("/")[2]
+            name = split_method(method)[1]
             return grpc.StatusCode.PERMISSION_DENIED, f"a read-only token cannot call {name}"
         return None
 
 
-def _service(method: str) -> str:
-    """The service part of a full method name ("/pergrad.v1.GradientService/ListModels")."""
-    return method.lstrip("/").rpartition("/")[0]
+def _refusing(declared: Kind, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler for a method of kind `declared` that ends the call with `code` at once.
 
-
-def _refusing(
-    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
-) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that ends the call with `code`.
-
-    The request is never parsed (no deserializer), so a refused call costs no decoding.
+    The request is never read (nor parsed), so a refused call costs no decoding and holds
+    no worker waiting for a request its client may never send.
     """
 
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    return replaced(handler, refuse, request_deserializer=None)
+    return refusal(declared, refuse)

@@ -1,15 +1,23 @@
 """Keeping idle and slow callers from holding the server's capacity.
 
 A sync gRPC server runs each call in a worker thread; a call that waits on its client
-(a stream that sends no next request, a client that reads no response) holds its worker
-for as long as the client likes. This interceptor:
+(a request that never comes, a stream that sends no next request, a client that reads no
+response) holds its worker for as long as the client likes. This interceptor:
 - cancels a call that has waited on its client for `stall_timeout_s` (time the handler
   spends computing does not count: only waiting for a request, or for gRPC to send a
   response, which the client's reading paces);
+- serves every method that takes one request as request-streaming (the same on the
+  wire, `handlers.as_request_stream`) and reads that request itself, so that waiting for
+  it is timed too (gRPC would read it before any handler runs, for as long as it takes);
+  a call that ends with no request, or sends a second, is INVALID_ARGUMENT;
 - admits at most `max_streams` request-streaming calls at once (StreamPerExampleGradients,
-  SetWeights), and at most `max_open_streams` of the open services' (reflection), which
-  run on a pool of their own: a caller without a token cannot reach the workers;
-- leaves non-blocking handlers (health Watch) alone: they hold no thread.
+  SetWeights), and at most `max_open_streams` of the open services' (reflection);
+- runs every call to an open service (health, reflection) on a pool of its own, with
+  PROBE_THREADS beyond its streams' for health: a caller without a token cannot reach
+  the workers;
+- lets non-blocking handlers (health Watch) return as soon as their request is read:
+  they then hold no thread; at most `max_watch_streams` are open at once (each counts
+  toward gRPC's `maximum_concurrent_rpcs`, which the server raises by that many).
 Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED. The number of calls
 waiting for a worker is bounded by gRPC itself (`maximum_concurrent_rpcs`).
 """
@@ -27,22 +35,20 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.handlers import behavior_of, replaced
+from pergrad.server.handlers import (
+    as_request_stream,
+    behavior_of,
+    declared_kind_of,
+    refusal,
+    replaced,
+)
+from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
-
-OPEN_SERVICES = frozenset(
-    {
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection",
-        "grpc.reflection.v1.ServerReflection",
-    }
-)
-
-
-def service_of(method: str) -> str:
-    """The service part of a full method name ("/pergrad.v1.GradientService/ListModels")."""
-    return method.lstrip("/").rpartition("/")[0]
+_NOTHING = object()
+# Threads of the open services' pool beyond `max_open_streams`: health checks, and Watch
+# requests, are answered while reflection streams are open.
+PROBE_THREADS = 2
 
 
 class _Waits:
@@ -120,6 +126,12 @@ class _Slots:
         with self._lock:
             self._running -= 1
 
+    def start_until_done(self, context: grpc.ServicerContext) -> None:
+        """Start, and end when the call ends."""
+        self.start()
+        if not context.add_callback(self.end):  # it has ended already
+            self.end()
+
 
 class CallGuard(grpc.ServerInterceptor):
     def __init__(
@@ -128,12 +140,15 @@ class CallGuard(grpc.ServerInterceptor):
         stall_timeout_s: float,
         max_streams: int,
         max_open_streams: int,
+        max_watch_streams: int,
         on_stall: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
         self._slots = {False: _Slots(max_streams), True: _Slots(max_open_streams)}
+        self._watches = _Slots(max_watch_streams)
         self._open_pool = ThreadPoolExecutor(
-            max_workers=max(1, max_open_streams), thread_name_prefix="pergrad-open"
+            max_workers=max_open_streams + PROBE_THREADS,
+            thread_name_prefix="pergrad-open",
         )
 
     def close(self) -> None:
@@ -148,61 +163,117 @@ class CallGuard(grpc.ServerInterceptor):
         """Runs on gRPC's polling thread as the call arrives: a stream over its limit is
         refused here, by a handler that takes a worker for an instant, never the slot."""
         handler = continuation(handler_call_details)
-        behavior = behavior_of(handler) if handler is not None else None
-        if behavior is None or getattr(behavior, "experimental_non_blocking", False):
-            return handler
+        if handler is None:
+            return None
         method = handler_call_details.method
-        open_service = service_of(method) in OPEN_SERVICES
-        slots = self._slots[open_service] if handler.request_streaming else None
-        if slots is not None and not slots.reserve():
-            return replaced(handler, _refusal(slots.limit), request_deserializer=None)
-        watched = self._watched(behavior, method, handler, slots)
+        open_service = split_method(method)[0] in OPEN_SERVICES
+        behavior = behavior_of(handler)
+        if not handler.request_streaming:
+            watch = getattr(behavior, "experimental_non_blocking", False)
+            if watch and not self._watches.reserve():
+                return refusal(declared_kind_of(handler), _refuse(self._watches.limit))
+            guarded = self._one_request(
+                behavior, method, handler.response_streaming, self._watches if watch else None
+            )
+        elif getattr(behavior, "experimental_non_blocking", False):
+            return handler
+        else:
+            slots = self._slots[open_service]
+            if not slots.reserve():
+                return refusal(declared_kind_of(handler), _refuse(slots.limit))
+            guarded = self._stream(behavior, method, handler.response_streaming, slots)
         if open_service:
-            watched.experimental_thread_pool = self._open_pool
-        return replaced(handler, watched)
+            guarded.experimental_thread_pool = self._open_pool
+        if handler.request_streaming:
+            return replaced(handler, guarded)
+        return as_request_stream(handler, guarded)
 
-    def _watched(
+    def _requests(
+        self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str
+    ) -> Iterator[Any]:
+        """The requests, each waited for under the stall timer."""
+        while True:
+            token = self._waits.start(context, method)
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self._waits.end(token)
+            yield item
+
+    def _responses(
+        self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str
+    ) -> Iterator[Any]:
+        for item in iterator:
+            token = self._waits.start(context, method)  # until gRPC has sent it and asks again
+            try:
+                yield item
+            finally:
+                self._waits.end(token)
+
+    def _request(self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
+        """The one request of a call to a method that takes one (then the client's end)."""
+        requests = self._requests(iterator, context, method)
+        try:
+            request = next(requests, _NOTHING)
+            more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
+        except grpc.RpcError:
+            # Stalled and cancelled, or ended by its client: counted as such, not UNKNOWN.
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            context.abort(code, "the call ended while its request was awaited")
+        if request is _NOTHING or more:
+            many = "none" if request is _NOTHING else "more than one"
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request, got {many}"
+            )
+        return request
+
+    def _one_request(
         self,
         behavior: Callable[..., Any],
         method: str,
-        handler: grpc.RpcMethodHandler,
-        slots: _Slots | None,
+        response_streaming: bool,
+        watches: _Slots | None,
     ) -> Callable[..., Any]:
-        waits = self._waits
+        """A request-streaming behavior running `behavior` with the call's one request;
+        a non-blocking one holds one of `watches` until its call ends."""
+        if watches is not None:
 
-        def requests(iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            while True:
-                token = waits.start(context, method)
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    return
-                finally:
-                    waits.end(token)
-                yield item
+            def handle_non_blocking(
+                iterator: Iterator[Any], context: grpc.ServicerContext, send: Callable[..., None]
+            ) -> None:
+                watches.start_until_done(context)
+                return behavior(self._request(iterator, context, method), context, send)
 
-        def responses(iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            for item in iterator:
-                token = waits.start(context, method)  # until gRPC has sent it and asks again
-                try:
-                    yield item
-                finally:
-                    waits.end(token)
+            handle_non_blocking.experimental_non_blocking = True
+            return handle_non_blocking
 
-        def handle(request: Any, context: grpc.ServicerContext) -> Any:
-            if slots is not None:
-                slots.start()
-                context.add_callback(slots.end)
-            if handler.request_streaming:
-                request = requests(request, context)
-            result = behavior(request, context)
-            return responses(result, context) if handler.response_streaming else result
+        def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            result = behavior(self._request(iterator, context, method), context)
+            return self._responses(result, context, method) if response_streaming else result
+
+        return handle
+
+    def _stream(
+        self,
+        behavior: Callable[..., Any],
+        method: str,
+        response_streaming: bool,
+        slots: _Slots,
+    ) -> Callable[..., Any]:
+        def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            slots.start_until_done(context)
+            result = behavior(self._requests(iterator, context, method), context)
+            return self._responses(result, context, method) if response_streaming else result
 
         return handle
 
 
-def _refusal(limit: int) -> Callable[..., Any]:
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+def _refuse(limit: int) -> Callable[..., Any]:
+    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"this server keeps at most {limit} such streams open at once; "

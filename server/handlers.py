@@ -1,8 +1,14 @@
 """The four kinds of gRPC method handler, in one table: interceptors that wrap a handler,
-and the service that registers its own, make one of the same kind through it."""
+and the service that registers its own, make one of the same kind through it.
+
+A method taking one request may also be served as a request-streaming one
+(`as_request_stream`): the HTTP/2 wire is the same, so its clients cannot tell, and the
+request is then read by the handler rather than by gRPC before any handler runs. Such a
+handler keeps the method's own kind (`declared_kind_of`) for metrics labels."""
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,13 +28,37 @@ KINDS: dict[tuple[bool, bool], Kind] = {
     (True, True): Kind("bidi_stream", "stream_stream", grpc.stream_stream_rpc_method_handler),
 }
 
+_FIELDS = (
+    "request_streaming",
+    "response_streaming",
+    "request_deserializer",
+    "response_serializer",
+    "unary_unary",
+    "unary_stream",
+    "stream_unary",
+    "stream_stream",
+)
+
+
+class _Redeclared(namedtuple("_Redeclared", (*_FIELDS, "declared")), grpc.RpcMethodHandler):
+    """A handler served as the kind its fields say, for a method of kind `declared`."""
+
+
+_STREAMING = {k: streaming for streaming, k in KINDS.items()}
+
 
 def kind(request_streaming: bool, response_streaming: bool) -> Kind:
     return KINDS[request_streaming, response_streaming]
 
 
 def kind_of(handler: grpc.RpcMethodHandler) -> Kind:
+    """The kind gRPC serves `handler` as."""
     return kind(handler.request_streaming, handler.response_streaming)
+
+
+def declared_kind_of(handler: grpc.RpcMethodHandler) -> Kind:
+    """The kind of the method `handler` serves, as its clients call it."""
+    return handler.declared if isinstance(handler, _Redeclared) else kind_of(handler)
 
 
 def behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
@@ -41,16 +71,51 @@ def replaced(
     *,
     request_deserializer: Callable[[bytes], Any] | bool | None = True,
 ) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind running `behavior`, with its serializers (or no
-    request deserializer with `request_deserializer=None`), on the same thread pool."""
-    pool = getattr(behavior_of(handler), "experimental_thread_pool", None)
-    if pool is not None and getattr(behavior, "experimental_thread_pool", None) is None:
-        behavior.experimental_thread_pool = pool
+    """A handler of `handler`'s kind (and declared kind) running `behavior`, with its
+    serializers (or no request deserializer with `request_deserializer=None`), on the
+    same thread pool."""
     deserializer = (
         handler.request_deserializer if request_deserializer is True else request_deserializer
     )
-    return kind_of(handler).factory(
+    return _made(handler, kind_of(handler), behavior, deserializer)
+
+
+def as_request_stream(
+    handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]
+) -> grpc.RpcMethodHandler:
+    """`handler`'s method served as request-streaming, with its response arity, serializers,
+    thread pool and declared kind: `behavior` takes the iterator of requests in place of
+    the one request."""
+    return _made(
+        handler, kind(True, handler.response_streaming), behavior, handler.request_deserializer
+    )
+
+
+def refusal(declared: Kind, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """A handler for a method of kind `declared` whose `behavior` ends the call at once
+    (aborts), reading no request: served as request-streaming, so gRPC reads none first."""
+    response_streaming = _STREAMING[declared][1]
+    return _declared_as(kind(True, response_streaming).factory(behavior), declared)
+
+
+def _made(
+    handler: grpc.RpcMethodHandler,
+    served_as: Kind,
+    behavior: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
+    pool = getattr(behavior_of(handler), "experimental_thread_pool", None)
+    if pool is not None and getattr(behavior, "experimental_thread_pool", None) is None:
+        behavior.experimental_thread_pool = pool
+    made = served_as.factory(
         behavior,
-        request_deserializer=deserializer,
+        request_deserializer=request_deserializer,
         response_serializer=handler.response_serializer,
     )
+    return _declared_as(made, declared_kind_of(handler))
+
+
+def _declared_as(made: grpc.RpcMethodHandler, declared: Kind) -> grpc.RpcMethodHandler:
+    if declared == kind_of(made):
+        return made
+    return _Redeclared(*(getattr(made, field) for field in _FIELDS), declared)

@@ -13,8 +13,9 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.handlers import behavior_of, kind_of, replaced
+from pergrad.server.handlers import behavior_of, declared_kind_of, replaced
 from pergrad.server.metrics import RpcLabels, ServerMetrics
+from pergrad.wire.rpc import split_method
 
 
 def final_code(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
@@ -30,12 +31,6 @@ def final_code(context: grpc.ServicerContext, error: BaseException | None) -> gr
             return grpc.StatusCode.DEADLINE_EXCEEDED
         return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.OK
-
-
-def _labels(full_method: str) -> tuple[str, str]:
-    """Service and method of "/pergrad.v1.GradientService/ListModels"."""
-    service, _, method = full_method.lstrip("/").rpartition("/")
-    return service or "unknown", method
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):
@@ -54,7 +49,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        labels = RpcLabels(kind_of(handler).grpc_type, *_labels(handler_call_details.method))
+        service, method = split_method(handler_call_details.method)
+        labels = RpcLabels(declared_kind_of(handler).grpc_type, service or "unknown", method)
         call = _Call(self._metrics, labels, arrived)
         behavior = behavior_of(handler)
         if getattr(behavior, "experimental_non_blocking", False):

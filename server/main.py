@@ -33,6 +33,9 @@ from pergrad.wire.rpc import SERVICE_NAME
 _LOGGER = logging.getLogger(__name__)
 # Reflection streams open at once, on a pool of their own (`CallGuard`).
 OPEN_STREAMS = 2
+# Health Watch streams open at once (they hold no thread, only a place among the calls
+# gRPC admits); more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
+WATCH_STREAMS = 32
 
 
 def configure_devices() -> None:
@@ -109,6 +112,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         stall_timeout_s=config.stall_timeout_s,
         max_streams=config.max_streams,
         max_open_streams=OPEN_STREAMS,
+        max_watch_streams=WATCH_STREAMS,
         on_stall=metrics.call_stalled,
     )
     coalescers = Coalescers(
@@ -145,7 +149,9 @@ def _start_grpc(
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config), guard],
         options=server_options(config),
-        maximum_concurrent_rpcs=config.workers + config.max_queued_calls + OPEN_STREAMS,
+        maximum_concurrent_rpcs=(
+            config.workers + config.max_queued_calls + OPEN_STREAMS + WATCH_STREAMS
+        ),
     )
     add_to_server(GradientServicer(registry, config, metrics, coalescers), server)
     health_servicer = HealthService()

@@ -59,8 +59,7 @@ class DocumentedReflection(reflection.ReflectionServicer):
         return reflection_pb2.ServerReflectionResponse(
             file_descriptor_response=reflection_pb2.FileDescriptorResponse(
                 file_descriptor_proto=[
-                    self._documented.get(name) or _serialized(file)
-                    for name, file in files.items()
+                    self._documented.get(name) or _serialized(file) for name, file in files.items()
                 ]
             ),
             original_request=request,

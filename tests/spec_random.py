@@ -44,9 +44,7 @@ def gaussian(k: int, n: int) -> float:
 def matrix(seed: int, index: int, stream: int, rows: int, columns: int, kind: str) -> np.ndarray:
     entry = {"rademacher": rademacher, "gaussian": gaussian}[kind]
     k = key(seed, index, stream)
-    return np.array(
-        [[entry(k, r * columns + c) for c in range(columns)] for r in range(rows)]
-    )
+    return np.array([[entry(k, r * columns + c) for c in range(columns)] for r in range(rows)])
 
 
 def projection_matrix(

@@ -74,4 +74,3 @@ def rows(x: Any, part: slice) -> Any:
     if isinstance(x, list | tuple):
         return [value[part] for value in x]
     return x[part]
-

@@ -81,22 +81,65 @@ ANSWERS: dict[str, Callable[[int], list[bytes]]] = {
 }
 
 
+def _info(**variable: object) -> bytes:
+    """INFO with its one variable changed."""
+    info = pb.ModelInfo()
+    info.CopyFrom(INFO)
+    del info.variables[:]
+    info.variables.append(tensor_pb2.TensorSpec(**{"name": "w", "dtype": F32, **variable}))
+    return info.SerializeToString()
+
+
+def _weights_header(shape: list[int], dtype: int = F32) -> bytes:
+    header = pb.WeightsHeader(
+        model="m", tensors=[tensor_pb2.TensorSpec(name="w", dtype=dtype, shape=shape)]
+    )
+    return pb.WeightsMessage(header=header).SerializeToString()
+
+
+def _weights_chunk(offset: int, data: bytes) -> bytes:
+    chunk = tensor_pb2.TensorChunk(tensor=0, offset=offset, data=data)
+    return pb.WeightsMessage(chunk=chunk).SerializeToString()
+
+
+# Answers to GetModelInfo no client may believe: each is DATA_LOSS before any allocation.
+INFOS: dict[str, bytes] = {
+    "garbage": b"\xff\xff\xff\xff",
+    "unknown dtype": _info(dtype=999, shape=[3, 2]),
+    "negative dimension": _info(dtype=F32, shape=[-1, 2]),
+    "rank beyond the codec's": _info(dtype=F32, shape=[1] * 40),
+    "four tebibytes of variables": _info(dtype=F32, shape=[2**20, 2**20]),
+}
+
+# Answers to GetWeights for INFO's variable "w" [3, 2] float32, each malformed.
+WEIGHTS: dict[str, list[bytes]] = {
+    "two gigabytes": [_weights_header([2**30, 2])],
+    "nothing": [],
+    "garbage": [b"\xff\xff\xff\xff"],
+    "chunk first": [_weights_chunk(0, b"\0" * 24)],
+    "unknown dtype": [_weights_header([3, 2], dtype=999)],
+    "two headers": [_weights_header([3, 2]), _weights_header([3, 2])],
+    "chunk past the end": [_weights_header([3, 2]), _weights_chunk(0, b"\0" * 25)],
+    "out of order": [_weights_header([3, 2]), _weights_chunk(8, b"\0" * 16)],
+    "truncated": [_weights_header([3, 2]), _weights_chunk(0, b"\0" * 20)],
+}
+
+
 class _Hostile:
     answer = "fewer rows"
+    info = INFO.SerializeToString()
+    weights_answer = "two gigabytes"
 
     def handlers(self) -> grpc.GenericRpcHandler:
         def info(request: bytes, context) -> bytes:
-            return INFO.SerializeToString()
+            return self.info
 
         def compute(request: bytes, context) -> Iterator[bytes]:
             batch = pb.GradientsRequest.FromString(request).inputs.shape[0]
             yield from ANSWERS[self.answer](batch)
 
         def weights(request: bytes, context) -> Iterator[bytes]:
-            header = pb.WeightsHeader(
-                model="m", tensors=[tensor_pb2.TensorSpec(name="w", dtype=F32, shape=[2**30, 2])]
-            )
-            yield pb.WeightsMessage(header=header).SerializeToString()
+            yield from WEIGHTS[self.weights_answer]
 
         identity = {"request_deserializer": None, "response_serializer": None}
         return grpc.method_handlers_generic_handler(
@@ -150,3 +193,47 @@ def test_weights_that_are_not_the_models_are_data_loss(hostile) -> None:
         client.get_weights("m")
     assert err.value.code == grpc.StatusCode.DATA_LOSS
     assert "do not match the model's variables" in err.value.message
+
+
+@pytest.mark.parametrize("answer", sorted(WEIGHTS))
+def test_every_malformed_weights_answer_is_data_loss(hostile, monkeypatch, answer: str) -> None:
+    state, target = hostile
+    monkeypatch.setattr(state, "weights_answer", answer)
+    started = time.perf_counter()
+    with GradientClient(target) as client, pytest.raises(PergradError) as err:
+        client.get_weights("m")
+    assert err.value.code == grpc.StatusCode.DATA_LOSS, err.value
+    assert err.value.message.startswith("weights of 'm': ")
+    assert time.perf_counter() - started < 10  # nothing large was allocated or filled
+
+
+@pytest.mark.parametrize("info", sorted(INFOS))
+def test_a_model_info_no_client_may_believe_is_data_loss_for_every_call(
+    hostile, monkeypatch, info: str
+) -> None:
+    """model_info, and what trusts it: weights and full gradients would allocate what its
+    variables declare."""
+    state, target = hostile
+    monkeypatch.setattr(state, "info", INFOS[info])
+    started = time.perf_counter()
+    with GradientClient(target) as client:
+        for call in (
+            lambda: client.model_info("m"),
+            lambda: client.get_weights("m"),
+            lambda: client.per_example_gradients("m", np.zeros((4, 3)), np.zeros((4, 2))),
+        ):
+            with pytest.raises(PergradError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.DATA_LOSS, err.value
+            assert err.value.message.startswith("model info of 'm': "), err.value
+    assert time.perf_counter() - started < 10
+
+
+def test_variables_beyond_max_model_bytes_are_refused_and_within_it_believed(hostile) -> None:
+    _, target = hostile
+    with GradientClient(target, max_model_bytes=23) as client, pytest.raises(PergradError) as err:
+        client.model_info("m")  # "w" [3, 2] float32: 24 bytes
+    assert err.value.code == grpc.StatusCode.DATA_LOSS
+    assert "max_model_bytes (23)" in err.value.message
+    with GradientClient(target, max_model_bytes=24) as client:
+        assert client.model_info("m").num_parameters == 6

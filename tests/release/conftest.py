@@ -40,9 +40,7 @@ class Installed:
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     prefix = tmp_path_factory.mktemp("installed") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", prefix], check=True)
-    site = Path(
-        sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)})
-    )
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)}))
     (site / "_dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
     env = Installed(prefix)
     subprocess.run(

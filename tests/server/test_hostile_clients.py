@@ -1,5 +1,6 @@
 """Careless and hostile clients against a live server, one test per way it once gave way:
-idle streams, unbounded queues, unpriced outputs, pinned memory, idle HTTP connections,
+idle streams, calls that never send their one request (with and without a token), unbounded
+queues, unpriced outputs, pinned memory, idle HTTP connections,
 public DP noise, wedged versions, out-of-range ids, NaN weights, absurd shapes, cancels
 counted as errors."""
 
@@ -15,11 +16,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
-from pergrad.server.main import RunningServer, build_registry, start
+from pergrad.server.guard import PROBE_THREADS
+from pergrad.server.main import OPEN_STREAMS, WATCH_STREAMS, RunningServer, build_registry, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
@@ -27,6 +30,7 @@ from tests.helpers import batch_for, loopback_config
 from tests.prometheus import sample_value, scrape
 
 SERVICE = "/pergrad.v1.GradientService/"
+_HealthReply = health_pb2.HealthCheckResponse.FromString
 
 
 def _start(**settings: object) -> RunningServer:
@@ -52,15 +56,44 @@ def _list_models(channel: grpc.Channel, timeout: float = 5) -> list[str]:
     return list(reply.models)
 
 
-def _idle_stream(channel: grpc.Channel, method: str) -> grpc.Future:
-    """A request stream that sends nothing and never ends."""
+def _idle_stream(
+    channel: grpc.Channel,
+    method: str,
+    metadata: tuple[tuple[str, str], ...] | None = None,
+    timeout: float | None = None,
+) -> grpc.Future:
+    """A request stream that sends nothing and never ends (to a method taking one request:
+    a call that never sends it)."""
     never = threading.Event()
 
     def requests() -> Iterator[bytes]:
         never.wait()
         yield b""
 
-    return channel.stream_stream(method)(requests())
+    return channel.stream_stream(method)(requests(), metadata=metadata, timeout=timeout)
+
+
+def _code(call: grpc.Future) -> grpc.StatusCode:
+    """The status a call ends with (a stream's first response or end, whichever first)."""
+    try:
+        next(call)
+    except grpc.RpcError as err:
+        return err.code()
+    except StopIteration:
+        pass
+    return grpc.StatusCode.OK
+
+
+# Methods taking one request, served on the workers: more silent calls than workers.
+SILENT = ("ListModels", "GetModelInfo", "ComputePerExampleGradients", "GetWeights")
+HEALTH = "/grpc.health.v1.Health/"
+
+
+def _check(channel: grpc.Channel) -> int:
+    reply = channel.unary_unary(HEALTH + "Check", response_deserializer=_HealthReply)(
+        b"", timeout=30
+    )
+    return reply.status
 
 
 def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
@@ -73,6 +106,28 @@ def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
         assert _list_models(channel) == ["mnist_mlp"]
         for stream in streams:
             stream.cancel()
+
+
+def test_watch_streams_beyond_their_bound_are_refused_and_other_calls_go_on(guarded) -> None:
+    """Watch streams hold no thread but each takes a place among the calls gRPC admits:
+    beyond WATCH_STREAMS they are RESOURCE_EXHAUSTED, and the rest of the server answers
+    with every allowed one open (the queue of `guarded` is two calls long)."""
+    with grpc.insecure_channel(_target(guarded)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watches = [stub.Watch(health_pb2.HealthCheckRequest()) for _ in range(WATCH_STREAMS)]
+        assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
+        one_more = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(one_more)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _list_models(channel) == ["mnist_mlp"]
+        assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
+        watches.pop().cancel()
+        time.sleep(0.5)  # the cancelled stream's place is given back when gRPC ends it
+        again = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+        for watch in [*watches, again]:
+            watch.cancel()
 
 
 def test_an_idle_gradients_stream_is_cancelled_and_the_next_refused_meanwhile(guarded) -> None:
@@ -89,6 +144,72 @@ def test_an_idle_gradients_stream_is_cancelled_and_the_next_refused_meanwhile(gu
         assert stalled.value.code() == grpc.StatusCode.CANCELLED
     exposition = scrape(guarded.metrics_port)
     assert sample_value(exposition, "pergrad_stalled_calls_total") >= 1
+
+
+def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers() -> None:
+    """gRPC reads the one request before any handler runs; unguarded, such calls held
+    both workers (or the open services' threads) for good and the next call timed out."""
+    running = _start(workers=2, max_streams=1, max_queued_calls=8, stall_timeout_s=1.5)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            silent = [_idle_stream(channel, SERVICE + name, timeout=60) for name in SILENT]
+            time.sleep(0.3)
+            assert _list_models(channel, timeout=30) == ["mnist_mlp"]
+            assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * len(SILENT)
+            names = ["Check", "Watch"] * (OPEN_STREAMS + PROBE_THREADS)
+            probes = [_idle_stream(channel, HEALTH + name, timeout=60) for name in names]
+            time.sleep(0.3)
+            assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
+            assert [_code(call) for call in probes] == [grpc.StatusCode.CANCELLED] * len(names)
+        exposition = _until(
+            running.metrics_port, "grpc_server_handled_total", "ListModels", grpc_code="CANCELLED"
+        )
+    finally:
+        running.stop(0)
+    assert _handled(exposition, "ListModels", "CANCELLED", grpc_type="unary") == 1
+    for method in [SERVICE + name for name in SILENT] + [HEALTH + "Check", HEALTH + "Watch"]:
+        assert sample_value(exposition, "pergrad_stalled_calls_total", method=method), method
+
+
+def test_calls_that_never_send_their_request_hold_no_worker_with_or_without_a_token(
+    tmp_path: Path,
+) -> None:
+    """Without a token: refused at once, holding no worker and no stream slot (a refused
+    stream once held its slot for ten seconds). With one: cancelled as stalls."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    running = _start(
+        workers=2, max_streams=1, max_queued_calls=4, stall_timeout_s=1.5, auth_token_file=tokens
+    )
+    token = (("authorization", "Bearer secret"),)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            methods = [*SILENT, "StreamPerExampleGradients", "StreamPerExampleGradients"]
+            refused = [_idle_stream(channel, SERVICE + name, timeout=30) for name in methods]
+            codes = [_code(call) for call in refused]  # at once: no token, no request read
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(methods)
+            stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
+            assert list(stream(iter([]), timeout=30, metadata=token)) == []  # no slot taken
+            silent = [
+                _idle_stream(channel, SERVICE + name, token, timeout=60) for name in SILENT[:3]
+            ]
+            time.sleep(0.3)
+            reply = channel.unary_unary(
+                SERVICE + "ListModels", response_deserializer=pb.ListModelsResponse.FromString
+            )(pb.ListModelsRequest().SerializeToString(), timeout=30, metadata=token)
+            assert list(reply.models) == ["mnist_mlp"]
+            assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * 3
+    finally:
+        running.stop(0)
+
+
+@pytest.mark.parametrize("count", [0, 2])
+def test_a_call_to_a_method_taking_one_request_must_send_exactly_one(server, count) -> None:
+    request = pb.ListModelsRequest().SerializeToString()
+    with grpc.insecure_channel(_target(server)) as channel, pytest.raises(grpc.RpcError) as err:
+        channel.stream_unary(SERVICE + "ListModels")(iter([request] * count), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exactly one request" in err.value.details()
 
 
 def test_calls_beyond_the_queue_are_refused_at_once(guarded) -> None:
@@ -312,8 +433,10 @@ def test_absurd_shapes_are_invalid_arguments(server, field: str, shape: list[int
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def _handled(exposition: str, method: str, code: str) -> float:
-    return sample_value(exposition, "grpc_server_handled_total", grpc_method=method, grpc_code=code)
+def _handled(exposition: str, method: str, code: str, **labels: str) -> float:
+    return sample_value(
+        exposition, "grpc_server_handled_total", grpc_method=method, grpc_code=code, **labels
+    )
 
 
 def _until(port: int, name: str, method: str, **labels: str) -> str:

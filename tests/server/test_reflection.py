@@ -28,8 +28,7 @@ def _files(server: RunningServer, symbol: str) -> dict[str, descriptor_pb2.FileD
 
 def _comments(proto: descriptor_pb2.FileDescriptorProto) -> str:
     return " ".join(
-        " ".join(location.leading_comments.split())
-        for location in proto.source_code_info.location
+        " ".join(location.leading_comments.split()) for location in proto.source_code_info.location
     )
 
 

@@ -4,7 +4,8 @@ Small models: full per-example gradients and losses. Every model: per-example no
 (whole and per variable) and a clipped sum whose bound lies between the smallest and the
 largest norm, against the oracle's gradients clipped in float64. keras.applications
 models are too large for full gradients of a batch; they get the norms and the clipped
-sum only, against the oracle run in float64 (`oracle.in_float64`). Each family's `ruled` flag is held to the route the engine's plan takes.
+sum only, against the oracle run in float64 (`oracle.in_float64`). Each family's
+`ruled` flag is held to the route the engine's plan takes.
 """
 
 from __future__ import annotations
