@@ -18,18 +18,35 @@ from pergrad.server.metrics import RpcLabels, ServerMetrics
 from pergrad.wire.rpc import split_method
 
 
-def final_code(context: grpc.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
-    """The status a call ends with, given the exception its handler raised (or None)."""
+def _ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
+def _cancelled(context: grpc.ServicerContext) -> bool:
+    """Whether a call that has ended was cancelled by its client. A client that cancels a
+    request stream can look to the handler like one that closed its side (the stream just
+    ends), and only the call's end tells the two apart; gRPC's sync server keeps that in
+    its call state alone (`client == "cancelled"`), with no public accessor."""
+    return getattr(getattr(context, "_state", None), "client", None) == "cancelled"
+
+
+def final_code(
+    context: grpc.ServicerContext, error: BaseException | None, *, ended: bool = False
+) -> grpc.StatusCode:
+    """The status a call ends with, given the exception its handler raised (or None);
+    `ended`: asked once the call has ended (so it is no longer active either way)."""
+    if ended and _cancelled(context):
+        return _ended_by_client(context)
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
     if error is not None and not isinstance(error, GeneratorExit):
         return grpc.StatusCode.UNKNOWN
-    if isinstance(error, GeneratorExit) or not context.is_active():
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return grpc.StatusCode.DEADLINE_EXCEEDED
-        return grpc.StatusCode.CANCELLED
+    if isinstance(error, GeneratorExit) or (not ended and not context.is_active()):
+        return _ended_by_client(context)
     return grpc.StatusCode.OK
 
 
@@ -50,8 +67,14 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         service, method = split_method(handler_call_details.method)
-        labels = RpcLabels(declared_kind_of(handler).grpc_type, service or "unknown", method)
-        call = _Call(self._metrics, labels, arrived)
+        declared = declared_kind_of(handler)
+        labels = RpcLabels(declared.grpc_type, service or "unknown", method)
+        call = _Call(
+            self._metrics,
+            labels,
+            arrived,
+            at_end=declared.grpc_type in ("client_stream", "bidi_stream"),
+        )
         behavior = behavior_of(handler)
         if getattr(behavior, "experimental_non_blocking", False):
             behavior = call.wrap_non_blocking(behavior)
@@ -61,19 +84,27 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
 
 class _Call:
-    """The metrics of one RPC: started when its handler runs, handled exactly once."""
+    """The metrics of one RPC: started when its handler runs, handled exactly once. A
+    request stream's (`at_end`) is counted when the call has ended, not when its
+    handler returns: only then is a cancelled stream told from a finished one."""
 
-    def __init__(self, metrics: ServerMetrics, labels: RpcLabels, arrived: float) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, labels: RpcLabels, arrived: float, *, at_end: bool
+    ) -> None:
         self._metrics = metrics
         self._labels = labels
         self._arrived = arrived
         self._handled = False
+        self._at_end = at_end
+        self._error: BaseException | None = None
 
     def wrap(
         self, behavior: Callable[..., Any], request_streaming: bool, response_streaming: bool
     ) -> Callable[..., Any]:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
             self._metrics.rpc_started(self._labels, self._arrived)
+            if self._at_end and not context.add_callback(lambda: self._ended(context)):
+                self._ended(context)
             if request_streaming:
                 request = self._received(request)
             else:
@@ -137,7 +168,15 @@ class _Call:
         self._finish(context, None)
 
     def _finish(self, context: grpc.ServicerContext, error: BaseException | None) -> None:
-        if not self._handled:
+        if self._at_end:
+            self._error = self._error or error  # counted by `_ended`
+        elif not self._handled:
             self._handled = True
             code = final_code(context, error)
+            self._metrics.rpc_handled(self._labels, code, self._arrived)
+
+    def _ended(self, context: grpc.ServicerContext) -> None:
+        if not self._handled:
+            self._handled = True
+            code = final_code(context, self._error, ended=True)
             self._metrics.rpc_handled(self._labels, code, self._arrived)

@@ -35,7 +35,7 @@ _LOGGER = logging.getLogger(__name__)
 OPEN_STREAMS = 2
 # Health Watch streams open at once (they hold no thread, only a place among the calls
 # gRPC admits); more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
-WATCH_STREAMS = 32
+WATCH_STREAMS = 16
 
 
 def configure_devices() -> None:

@@ -213,7 +213,8 @@ def test_a_call_to_a_method_taking_one_request_must_send_exactly_one(server, cou
 
 
 def test_calls_beyond_the_queue_are_refused_at_once(guarded) -> None:
-    """Both workers held by clients that read nothing; the queue takes two more calls."""
+    """Both workers held by clients that read nothing; gRPC admits two queued calls and
+    the places of the open services' streams besides: more calls than that are refused."""
     x, y = batch_for((784,), 10, 512)
     request = pb.GradientsRequest(
         model="mnist_mlp", inputs=encode_tensor(x), labels=encode_tensor(y)
@@ -226,7 +227,7 @@ def test_calls_beyond_the_queue_are_refused_at_once(guarded) -> None:
             channel.unary_unary(SERVICE + "ListModels").future(
                 pb.ListModelsRequest().SerializeToString(), timeout=20
             )
-            for _ in range(12)
+            for _ in range(2 + 2 + OPEN_STREAMS + WATCH_STREAMS + 6)
         ]
         codes = [c.exception().code() if c.exception() else grpc.StatusCode.OK for c in calls]
         for call in unread:
