@@ -75,13 +75,13 @@ def make_methods(engine: Engine, x: np.ndarray, y: np.ndarray) -> dict[str, Call
 
     @tf.function(reduce_retracing=True)
     def vectorized(trainable, non_trainable, x, y):
-        return vectorized_gradients(model, loss, trainable, non_trainable, x, y, everything)
+        return vectorized_gradients(model, loss, trainable, non_trainable, (x,), y, everything)
 
     @tf.function(reduce_retracing=True)
     def jacobian(trainable, non_trainable, x, y):
         with tf.GradientTape() as tape:
             tape.watch(trainable)
-            losses = forward_loss(model, loss, trainable, non_trainable, x, y)
+            losses = forward_loss(model, loss, trainable, non_trainable, (x,), y)
         return losses, tape.jacobian(losses, trainable, experimental_use_pfor=True)
 
     def as_numpy(computed: tuple[tf.Tensor, list[tf.Tensor]]) -> list[np.ndarray]:
