@@ -30,17 +30,27 @@ def assert_close(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.nda
     softmax ignores a shift shared by all keys), so no scale is taken below 1e-2 of the
     largest reference entry of all the tensors compared.
     """
+    misses = [
+        f"{name}: relative error {error:.2e}"
+        for name, error in relative_errors(actual, expected).items()
+        if error > RELATIVE_TOLERANCE
+    ]
+    assert not misses, "; ".join(misses)
+
+
+def relative_errors(
+    actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+    """Each tensor's largest error relative to its reference's scale (see assert_close)."""
     assert actual.keys() == expected.keys()
     floor = 1e-2 * max(float(np.max(np.abs(want))) for want in expected.values())
-    misses = []
+    errors = {}
     for name, want in expected.items():
         got = actual[name]
         assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
         scale = max(float(np.max(np.abs(want))), floor) or 1.0
-        error = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
-        if error > RELATIVE_TOLERANCE:
-            misses.append(f"{name}: relative error {error:.2e}")
-    assert not misses, "; ".join(misses)
+        errors[name] = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+    return errors
 
 
 def tabular_model() -> keras.Model:
