@@ -73,12 +73,17 @@ class HealthService(health_pb2_grpc.HealthServicer):
             self._stopped = True
             for service in self._status:
                 self._status[service] = NOT_SERVING
-            for service, watchers in self._watchers.items():
-                status = self._status.get(service, SERVICE_UNKNOWN)
-                for send in watchers:
-                    send(health_pb2.HealthCheckResponse(status=status))
-                    send(None)
+            ends = [
+                (send, self._status.get(service, SERVICE_UNKNOWN))
+                for service, watchers in self._watchers.items()
+                for send in watchers
+            ]
             self._watchers.clear()
+        # Sent outside the lock: a Watch cancelled meanwhile takes the lock from gRPC's
+        # thread to leave, while gRPC holds the call's own lock that `send` needs.
+        for send, status in ends:
+            send(health_pb2.HealthCheckResponse(status=status))
+            send(None)
 
 
 # gRPC calls a non-blocking handler with a `send` callback and frees the worker at once.
