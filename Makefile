@@ -38,8 +38,11 @@ lint: install
 	$(PY) -m ruff check .
 
 # -ra lists every test skipped (and failed) with its reason; the last line counts them.
+# Tests run on one worker per core plus one (much of a test is waiting on a server or a
+# child process), each test taken by whichever worker is free; the 15 slowest are listed.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: install system-deps lint
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # Realistic bugs planted one at a time in a scratch copy of the repository, each of which
 # the tests must catch (scripts/mutants.py lists them); not part of `make test`.

@@ -156,6 +156,59 @@ MUTANTS = (
         ),
         ("tests/server/engine/test_reductions.py",),
     ),
+    Mutant(
+        "weights_id_without_names",
+        "weights_id digests dtypes, shapes and bytes but not the variables' names",
+        (
+            Edit(
+                "server/weights.py",
+                'digest.update(f"{spec.name}:{spec.dtype.str}:{spec.shape};".encode())',
+                'digest.update(f"{spec.dtype.str}:{spec.shape};".encode())',
+            ),
+        ),
+        ("tests/server/test_weights.py",),
+    ),
+    Mutant(
+        "int_cast_checks_only_the_upper_bound",
+        "int64 values below int32's minimum wrap silently when cast",
+        (
+            Edit(
+                "wire/casting.py",
+                "if array.min() < limits.min or array.max() > limits.max:",
+                "if array.max() > limits.max:",
+            ),
+        ),
+        ("tests/wire/test_casting.py",),
+    ),
+    Mutant(
+        "admission_released_only_on_success",
+        "a call that ends early (cancelled, failed) keeps its admitted examples and bytes",
+        (
+            Edit(
+                "server/admission.py",
+                "        try:\n            yield\n        finally:\n",
+                "        yield\n        if True:\n",
+            ),
+        ),
+        ("tests/server/test_faults.py",),
+    ),
+    Mutant(
+        "unread_results_untimed",
+        "a one-request method's responses are sent with no stall timer",
+        (
+            Edit(
+                "server/guard.py",
+                "            result = behavior(self._request(iterator, context, method), context)\n"
+                "            return self._responses(result, context, method) "
+                "if response_streaming else result\n",
+                "            return behavior(self._request(iterator, context, method), context)\n",
+            ),
+        ),
+        (
+            "tests/server/test_hostile_clients.py::"
+            "test_results_nobody_reads_are_cancelled_and_free_the_workers",
+        ),
+    ),
 )
 
 

@@ -46,6 +46,7 @@ from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
+_STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
 # Threads of the open services' pool beyond `max_open_streams`: health checks, and Watch
 # requests, are answered while reflection streams are open.
 PROBE_THREADS = 2
@@ -69,9 +70,10 @@ class _Waits:
             self._waiting[token] = (time.monotonic(), context, method)
         return token
 
-    def end(self, token: int) -> None:
+    def end(self, token: int) -> bool:
+        """Stop timing; False if the call was cancelled as stalled meanwhile."""
         with self._lock:
-            self._waiting.pop(token, None)
+            return self._waiting.pop(token, None) is not None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -191,15 +193,18 @@ class CallGuard(grpc.ServerInterceptor):
     def _requests(
         self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str
     ) -> Iterator[Any]:
-        """The requests, each waited for under the stall timer."""
+        """The requests, each waited for under the stall timer. A call cancelled as stalled
+        ends CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
+        which the handler would take for the client's end)."""
         while True:
             token = self._waits.start(context, method)
             try:
-                item = next(iterator)
-            except StopIteration:
-                return
+                item = next(iterator, _NOTHING)
             finally:
-                self._waits.end(token)
+                if not self._waits.end(token):
+                    context.abort(grpc.StatusCode.CANCELLED, _STALLED.format(method=method))
+            if item is _NOTHING:
+                return
             yield item
 
     def _responses(

@@ -24,13 +24,37 @@ SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 Send = Callable[[health_pb2.HealthCheckResponse | None], None]
 
 
+class _Watcher:
+    """One Watch stream. Its sends are serialized by its own lock, never the servicer's:
+    gRPC's thread ending a cancelled Watch takes the servicer's lock (`_forget`) while it
+    holds the call's, which a send needs, so a send under the servicer's lock deadlocks."""
+
+    def __init__(self, service: str, send: Send) -> None:
+        self.service = service
+        self._send = send
+        self._lock = threading.Lock()
+        self._ended = False
+
+    def tell(self, status: Callable[[], int], *, end: bool = False) -> None:
+        """Send the status read at sending time (so the last one sent is the latest, whatever
+        order concurrent callers run in); with `end`, then end the stream."""
+        with self._lock:
+            if self._ended:
+                return
+            self._send(health_pb2.HealthCheckResponse(status=status()))
+            if end:
+                self._ended = True
+                self._send(None)
+
+
 class HealthService(health_pb2_grpc.HealthServicer):
-    """Serving status per service name ("" is the whole server)."""
+    """Serving status per service name ("" is the whole server). No response is sent while
+    `_lock` is held (see `_Watcher`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._status: dict[str, int] = {}
-        self._watchers: dict[str, set[Send]] = {}
+        self._watchers: dict[str, set[_Watcher]] = {}
         self._stopped = False
 
     def Check(
@@ -45,18 +69,22 @@ class HealthService(health_pb2_grpc.HealthServicer):
     def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext, send: Send
     ) -> None:
-        service = request.service
+        watcher = _Watcher(request.service, send)
         with self._lock:
-            send(health_pb2.HealthCheckResponse(status=self._status.get(service, SERVICE_UNKNOWN)))
-            if self._stopped:
-                send(None)
-                return
-            self._watchers.setdefault(service, set()).add(send)
-        context.add_callback(lambda: self._forget(service, send))
+            stopped = self._stopped
+            if not stopped:
+                self._watchers.setdefault(watcher.service, set()).add(watcher)
+        if not stopped and not context.add_callback(lambda: self._forget(watcher)):
+            self._forget(watcher)  # the call has ended already
+        watcher.tell(lambda: self._status_of(watcher.service), end=stopped)
 
-    def _forget(self, service: str, send: Send) -> None:
+    def _status_of(self, service: str) -> int:
         with self._lock:
-            self._watchers.get(service, set()).discard(send)
+            return self._status.get(service, SERVICE_UNKNOWN)
+
+    def _forget(self, watcher: _Watcher) -> None:
+        with self._lock:
+            self._watchers.get(watcher.service, set()).discard(watcher)
 
     def set(self, service: str, status: int) -> None:
         """Set `service`'s status and tell its watchers; ignored once stopped."""
@@ -64,8 +92,9 @@ class HealthService(health_pb2_grpc.HealthServicer):
             if self._stopped:
                 return
             self._status[service] = status
-            for send in self._watchers.get(service, ()):
-                send(health_pb2.HealthCheckResponse(status=status))
+            watchers = list(self._watchers.get(service, ()))
+        for watcher in watchers:
+            watcher.tell(lambda: self._status_of(service))
 
     def stop_serving(self) -> None:
         """Every service NOT_SERVING for good; every Watch stream told so, then ended."""
@@ -73,17 +102,10 @@ class HealthService(health_pb2_grpc.HealthServicer):
             self._stopped = True
             for service in self._status:
                 self._status[service] = NOT_SERVING
-            ends = [
-                (send, self._status.get(service, SERVICE_UNKNOWN))
-                for service, watchers in self._watchers.items()
-                for send in watchers
-            ]
+            watchers = [w for group in self._watchers.values() for w in group]
             self._watchers.clear()
-        # Sent outside the lock: a Watch cancelled meanwhile takes the lock from gRPC's
-        # thread to leave, while gRPC holds the call's own lock that `send` needs.
-        for send, status in ends:
-            send(health_pb2.HealthCheckResponse(status=status))
-            send(None)
+        for watcher in watchers:
+            watcher.tell(lambda w=watcher: self._status_of(w.service), end=True)
 
 
 # gRPC calls a non-blocking handler with a `send` callback and frees the worker at once.

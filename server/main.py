@@ -184,6 +184,11 @@ def _add_port(server: grpc.Server, config: Config) -> int:
 
 def serve(argv: Sequence[str]) -> int:
     """Run until SIGTERM or SIGINT; exit status 2 for a configuration, model or port error."""
+    # Handlers first: a stop that arrives while the models load, or just after the server
+    # turns SERVING (a pod deleted as it became ready), is a drain, never a kill.
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     try:
         config = parse(argv)
         logging.basicConfig(
@@ -194,9 +199,6 @@ def serve(argv: Sequence[str]) -> int:
     except (ConfigError, ModelLoadError, OSError) as err:
         print(f"pergrad serve: {err}", file=sys.stderr)
         return 2
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
     _LOGGER.info("draining for up to %.1f s", config.grace_s)
     running.stop(config.grace_s)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,11 +24,46 @@ from tests.helpers import KERAS_MODEL_NAME, loopback_config, tabular_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# What a copy of the checkout for building leaves out: git's, the environments', and
+# earlier builds' files (a stale build/ could put files into the wheel the tree lacks).
+NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"
+)
+
+
+@contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Held by one process at a time: the xdist workers of a run share what it guards."""
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _run_dir(factory: pytest.TempPathFactory) -> Path:
+    """A temporary directory of this run, shared by its xdist workers."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
-def wheel() -> Path:
-    """dist/pergrad-*.whl, built by `make wheel`: what users and the Dockerfiles install."""
-    subprocess.run(["make", "-s", "wheel"], cwd=ROOT, check=True, timeout=600)
-    (built,) = (ROOT / "dist").glob("pergrad-*.whl")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """pergrad-*.whl built as `make wheel` builds it (pip wheel, no deps, no isolation),
+    from a copy of the checkout into this run's temporary directory, once per run: what
+    users and the Dockerfiles install, without touching the checkout's build/ or dist/."""
+    run = _run_dir(tmp_path_factory)
+    with _exclusive(run / "wheel.lock"):
+        out = run / "wheel"
+        if not out.is_dir():
+            source = run / "wheel-source"
+            shutil.copytree(ROOT, source, ignore=NOT_SOURCES, symlinks=True)
+            command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"]
+            subprocess.run(
+                [*command, "--no-build-isolation", "-w", run / "wheel-partial", source],
+                check=True,
+                timeout=600,
+            )
+            (run / "wheel-partial").rename(out)  # whole or absent, for the next worker
+        (built,) = out.glob("pergrad-*.whl")
     return built
 
 

@@ -17,23 +17,46 @@ from pergrad.server.config import Config
 
 # float32 results of the vectorized pass and of the batch-size-1 loop sum the same terms in
 # different orders (and oneDNN picks different kernels per batch size), so they differ by
-# a few ulps of the tensor's largest entry; 1e-5 of that scale is the contract.
+# a few ulps of the tensor's largest entry; 1e-5 of that scale (~84 float32 epsilons) is
+# the contract. Against the loop in float64, a float32 result also carries the float32
+# rounding the model's conditioning amplifies, which no float32 computation escapes: the
+# float32 loop's own error on the same tensor measures it, and a result is held to
+# LOOP_ERROR_FACTOR times that error where it exceeds the contract (`float64_tolerances`).
+# The README's Engine section states both; tests/test_readme.py holds it to these numbers.
 RELATIVE_TOLERANCE = 1e-5
+LOOP_ERROR_FACTOR = 2
 
 KERAS_MODEL_NAME = "tabular"
 
 
-def assert_close(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> None:
-    """Every tensor within RELATIVE_TOLERANCE of its reference's scale; lists all misses.
+def float64_tolerances(
+    float32_loop: Mapping[str, np.ndarray], float64_loop: Mapping[str, np.ndarray]
+) -> dict[str, float]:
+    """Per tensor, how close a float32 result must be to the float64 loop's: within
+    max(1e-5, 2 e) of its scale, e the float32 loop's own error there."""
+    errors = relative_errors(float32_loop, float64_loop)
+    return {
+        name: max(RELATIVE_TOLERANCE, LOOP_ERROR_FACTOR * error) for name, error in errors.items()
+    }
+
+
+def assert_close(
+    actual: Mapping[str, np.ndarray],
+    expected: Mapping[str, np.ndarray],
+    tolerance: float | Mapping[str, float] = RELATIVE_TOLERANCE,
+) -> None:
+    """Every tensor within `tolerance` (one for all, or one per tensor) of its reference's
+    scale; lists all misses.
 
     A tensor whose true value is zero holds only rounding noise (attention's key bias:
     softmax ignores a shift shared by all keys), so no scale is taken below 1e-2 of the
     largest reference entry of all the tensors compared.
     """
+    bounds = tolerance if isinstance(tolerance, Mapping) else dict.fromkeys(expected, tolerance)
     misses = [
-        f"{name}: relative error {error:.2e}"
+        f"{name}: relative error {error:.2e} over {bounds[name]:.1e}"
         for name, error in relative_errors(actual, expected).items()
-        if error > RELATIVE_TOLERANCE
+        if error > bounds[name]
     ]
     assert not misses, "; ".join(misses)
 

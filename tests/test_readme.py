@@ -18,6 +18,7 @@ from pergrad.server.config import add_arguments
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.wire.catalogue import CATALOGUE
 from tests.conftest import ROOT
+from tests.helpers import LOOP_ERROR_FACTOR, RELATIVE_TOLERANCE
 
 README = (ROOT / "README.md").read_text()
 
@@ -159,3 +160,11 @@ def test_every_serve_flag_is_in_the_readme() -> None:
     flags = [a.option_strings[0] for a in parser._actions if a.option_strings[0] != "-h"]
     missing = [flag for flag in flags if flag not in README]
     assert not missing, f"README does not mention {missing}"
+
+
+def test_readme_states_the_tolerances_the_tests_hold() -> None:
+    """The Engine section's accuracy statement is the tests' contract, number for number."""
+    text = " ".join(_section("Engine").split())
+    contract = f"{RELATIVE_TOLERANCE:.0e}".replace("e-0", "e-")  # as the README writes it
+    assert f"within {contract} of its largest entry" in text
+    assert f"max({contract}, {LOOP_ERROR_FACTOR}·e)" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -19,7 +20,11 @@ FLAGS = ("--model", MODEL, "--jit-compile", "off")
 
 
 def _replicas(count: int) -> list[tuple[object, str]]:
-    return [spawn_server(*FLAGS, "--replica-name", f"r{i}") for i in range(count)]
+    """`count` server processes, started side by side (each waits for its own ready line)."""
+    with ThreadPoolExecutor(count) as pool:
+        return list(
+            pool.map(lambda i: spawn_server(*FLAGS, "--replica-name", f"r{i}"), range(count))
+        )
 
 
 @pytest.fixture(scope="module")

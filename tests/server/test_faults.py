@@ -22,7 +22,9 @@ BIG = 200  # wide_mlp: 200 x 7.4 MB of per-example gradients, seconds to compute
 
 @pytest.fixture(scope="module")
 def wide_server() -> Iterator[RunningServer]:
-    running = start(loopback_config("wide_mlp"))
+    """Admits BIG examples at once: a call that ended without giving its place back would
+    leave every later batch of BIG refused."""
+    running = start(loopback_config("wide_mlp", max_inflight_examples=BIG))
     yield running
     running.stop(0)
 
@@ -38,9 +40,11 @@ def _idle_soon(server: RunningServer, timeout_s: float = 20) -> bool:
 
 
 def _still_serving(server: RunningServer) -> None:
+    """A batch that needs every admitted place runs: the ended call gave its places back."""
     with GradientClient(f"127.0.0.1:{server.port}") as client:
-        x, y = batch_for((3072,), 10, 2)
-        assert client.per_example_gradients("wide_mlp", x, y, reduction="norms").batch_size == 2
+        x, y = batch_for((3072,), 10, BIG)
+        result = client.per_example_gradients("wide_mlp", x, y, reduction="norms")
+        assert result.batch_size == BIG
 
 
 def test_cancelled_stream_stops_and_frees_its_place(wide_server) -> None:

@@ -235,6 +235,29 @@ def test_calls_beyond_the_queue_are_refused_at_once(guarded) -> None:
     assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
 
 
+def test_results_nobody_reads_are_cancelled_and_free_the_workers(guarded) -> None:
+    """Two calls ask for 200 MB each and read none of it: sending waits on the client, so
+    the stall timer cancels them as it does calls that send nothing, and both workers are
+    free again."""
+    x, y = batch_for((784,), 10, 512)
+    request = pb.GradientsRequest(
+        model="mnist_mlp", inputs=encode_tensor(x), labels=encode_tensor(y)
+    ).SerializeToString()
+    method = "ComputePerExampleGradients"
+    with grpc.insecure_channel(_target(guarded)) as channel:
+        compute = channel.unary_stream(SERVICE + method)
+        unread = [compute(request, timeout=120) for _ in range(2)]
+        _until(guarded.metrics_port, "grpc_server_started_total", method, at_least=2)
+        assert _list_models(channel, timeout=30) == ["mnist_mlp"]
+        exposition = _until(
+            guarded.metrics_port, "grpc_server_handled_total", method, 2, grpc_code="CANCELLED"
+        )
+        for call in unread:
+            call.cancel()
+    stalled = sample_value(exposition, "pergrad_stalled_calls_total", method=SERVICE + method)
+    assert stalled == 2
+
+
 def _priced_server() -> RunningServer:
     return _start(max_inflight_bytes=1 << 20, max_batch=4096)
 
@@ -440,13 +463,13 @@ def _handled(exposition: str, method: str, code: str, **labels: str) -> float:
     )
 
 
-def _until(port: int, name: str, method: str, **labels: str) -> str:
-    """The exposition once `name` for `method` is counted, polled for up to 30 s: under
-    load, a handler may start or end well after the client acted."""
+def _until(port: int, name: str, method: str, at_least: int = 1, **labels: str) -> str:
+    """The exposition once `name` for `method` counts `at_least`, polled for up to 30 s:
+    under load, a handler may start or end well after the client acted."""
     deadline = time.monotonic() + 30
     while True:
         exposition = scrape(port)
-        if sample_value(exposition, name, grpc_method=method, **labels):
+        if (sample_value(exposition, name, grpc_method=method, **labels) or 0) >= at_least:
             return exposition
         counted = [line for line in exposition.splitlines() if method in line]
         assert time.monotonic() < deadline, f"{name} {method} {labels} never counted: {counted}"

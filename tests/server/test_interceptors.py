@@ -188,7 +188,7 @@ def test_client_stream_counts_each_message_received(probe) -> None:
     delta = _Delta(metrics, "ClientStream", "client_stream")
     reply = channel.stream_unary(f"/{SERVICE}/ClientStream")(iter([b"a"] * 5), timeout=10)
     assert reply == b"5"
-    changes = delta.changes()
+    changes = delta.wait_for("OK")  # counted as the call ends, maybe after the reply
     assert changes["grpc_server_msg_received_total"] == 5.0
     assert changes["grpc_server_msg_sent_total"] == 1.0 and changes["OK"] == 1.0
 
@@ -198,15 +198,31 @@ def test_bidi_stream_counts_messages_both_ways(probe) -> None:
     delta = _Delta(metrics, "BidiStream", "bidi_stream")
     replies = list(channel.stream_stream(f"/{SERVICE}/BidiStream")(iter([b"a"] * 4), timeout=10))
     assert replies == [b"a"] * 4
-    changes = delta.changes()
+    changes = delta.wait_for("OK")
     assert changes["grpc_server_msg_received_total"] == 4.0
     assert changes["grpc_server_msg_sent_total"] == 4.0 and changes["OK"] == 1.0
 
 
+class _Arrivals(grpc.ServerInterceptor):
+    """Sets `second` as the second call arrives; it runs after the metrics interceptor,
+    which so has taken that call's arrival time already."""
+
+    def __init__(self) -> None:
+        self.second = threading.Event()
+        self._count = 0
+
+    def intercept_service(self, continuation, handler_call_details):
+        self._count += 1
+        if self._count == 2:
+            self.second.set()
+        return continuation(handler_call_details)
+
+
 def test_handling_time_includes_waiting_for_a_free_worker() -> None:
-    metrics = ServerMetrics()
+    metrics, arrivals = ServerMetrics(), _Arrivals()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=1), interceptors=[MetricsInterceptor(metrics)]
+        futures.ThreadPoolExecutor(max_workers=1),
+        interceptors=[MetricsInterceptor(metrics), arrivals],
     )
     entered, release = threading.Event(), threading.Event()
 
@@ -228,6 +244,7 @@ def test_handling_time_includes_waiting_for_a_free_worker() -> None:
             blocked = call.future(b"block", timeout=10)
             assert entered.wait(10)
             queued = call.future(b"queued", timeout=10)
+            assert arrivals.second.wait(10)  # the server has it: from now on it waits
             time.sleep(0.5)
             release.set()
             assert blocked.result() == b"block" and queued.result() == b"queued"

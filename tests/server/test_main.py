@@ -132,3 +132,22 @@ def test_sigterm_drains_a_request_in_flight_then_exits_zero(serving: _Serve) -> 
     assert [r.batch_size for r in results] == [64, 32, 16, 8]
     assert all(np.isfinite(r.losses).all() for r in results)
     assert serving.process.wait(timeout=60) == 0, "".join(serving.log)
+
+
+def test_sigterm_while_starting_drains_and_exits_zero() -> None:
+    """A stop that arrives before the server is ready (a pod deleted as it starts, or just
+    as it turns ready) is a drain and a clean exit, never death by the signal."""
+    command = [
+        sys.executable, "-m", "pergrad.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        "--metrics-port", "0", "--model", "mnist_mlp", "--jit-compile", "off",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    log = []
+    for line in process.stderr:  # it names its devices before it loads the models
+        log.append(line)
+        if "devices:" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    log.extend(process.stderr)
+    assert process.wait(timeout=120) == 0, "".join(log)
+    assert "stopped" in log[-1], "".join(log)

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pergrad.server.engine import Engine
+from pergrad.server.engine import Engine, VariableSpec
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
-from pergrad.server.weights import Snapshot, WeightsStore
+from pergrad.server.weights import Snapshot, WeightsStore, weights_id
 from tests import oracle
 from tests.helpers import assert_close, batch_for
 
@@ -124,3 +124,19 @@ def test_a_refused_replace_changes_nothing(engine, store, fault: str) -> None:
     assert store.current is held
     assert store.get(version=1) is held
     _assert_holds(held, before)
+
+
+def test_weights_id_tells_which_variable_holds_which_values() -> None:
+    """The same bytes under other names, or in other variables, are other weights: a pin
+    by weights_id must not pass against renamed or permuted weights."""
+    float32 = np.dtype(np.float32)
+    specs = [
+        VariableSpec(0, "a/kernel", float32, (2, 2)),
+        VariableSpec(1, "b/kernel", float32, (2, 2)),
+    ]
+    ones, twos = np.ones((2, 2), np.float32), np.full((2, 2), 2, np.float32)
+    renamed = [VariableSpec(0, "c/kernel", float32, (2, 2)), specs[1]]
+    identity = weights_id(specs, [ones, twos])
+    assert weights_id(specs, [twos, ones]) != identity
+    assert weights_id(renamed, [ones, twos]) != identity
+    assert weights_id(list(specs), [ones.copy(), twos.copy()]) == identity

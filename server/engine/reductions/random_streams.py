@@ -8,9 +8,10 @@ without holding the rest:
     key     = mix(mix(mix(seed) ^ index) ^ stream)
     bits(n) = mix(key ^ n)
     Rademacher entry n: +1 if bit (n mod 64) of bits(n div 64) is 0, else -1
-    Gaussian entries 2k, 2k+1: Box-Muller on the two 32-bit halves of bits(k), in float32
+    Gaussian entries 2k, 2k+1: Box-Muller on the two 32-bit halves of bits(k), in float64,
+    each rounded once to float32
 
-Measured here (numpy, 4M entries): Rademacher 0.3 ns per entry, Gaussian 5.5 ns, against
+Measured here (numpy, 4M entries): Rademacher 0.3 ns per entry, Gaussian ~10 ns, against
 numpy's own PCG64 integers 2.1 ns and standard_normal 7.8 ns. Box-Muller on 32-bit
 uniforms bounds |entry| by sqrt(-2 ln 2^-33) = 6.8 (a tail mass of 1e-11 is cut).
 Fresh noise (no seed) runs the same Gaussian rule on bits from the operating system's
@@ -59,19 +60,22 @@ def _bits(key: int, start: int, count: int) -> np.ndarray:
 
 
 def _box_muller(bits: np.ndarray) -> np.ndarray:
-    """Two standard Gaussians from each 64-bit word: [2 * len(bits)] float32."""
-    radius = (bits >> _U64(32)).astype(np.float32)
-    radius += np.float32(0.5)
-    radius *= np.float32(2.0**-32)
+    """Two standard Gaussians from each 64-bit word: [2 * len(bits)] float32, computed in
+    float64 in the contract's order and rounded once (numpy's float64 ln, cos and sin
+    are within an ulp of float64, which the one rounding to float32 absorbs)."""
+    radius = (bits >> _U64(32)).astype(np.float64)
+    radius += 0.5
+    radius *= 2.0**-32
     np.log(radius, out=radius)
-    radius *= np.float32(-2.0)
+    radius *= -2.0
     np.sqrt(radius, out=radius)
-    angle = (bits & _U64(0xFFFFFFFF)).astype(np.float32)
-    angle += np.float32(0.5)
-    angle *= np.float32(2.0 * np.pi * 2.0**-32)
+    angle = (bits & _U64(0xFFFFFFFF)).astype(np.float64)
+    angle += 0.5
+    angle *= 2.0**-32
+    angle *= 2.0 * np.pi
     pairs = np.empty((len(bits), 2), np.float32)
-    np.multiply(radius, np.cos(angle), out=pairs[:, 0])
-    np.multiply(radius, np.sin(angle), out=pairs[:, 1])
+    pairs[:, 0] = radius * np.cos(angle)
+    pairs[:, 1] = radius * np.sin(angle)
     return pairs.reshape(-1)
 
 

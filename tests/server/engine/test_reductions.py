@@ -242,8 +242,14 @@ def test_seeded_noise_is_reproducible_and_the_wire_contracts() -> None:
         assert value.tobytes() == again[name].tobytes()
     bias = next(v for v in engine.variables if v.name == "logits/bias")
     k = spec_random.key(4, bias.index, 2)
-    expected = [2.0 * 0.5 * spec_random.gaussian(k, n) for n in range(10)]
-    np.testing.assert_allclose(first["logits/bias"], expected, rtol=1e-5, atol=1e-6)
+    standard = np.array([spec_random.gaussian(k, n) for n in range(10)], np.float32)
+    noisy, clean = (
+        engine.per_example_gradients(
+            x, y, reduction="clipped_sum", max_norm=0.5, **noise
+        ).clipped_sum["logits/bias"]
+        for noise in ({"noise_multiplier": 2.0, "seed": 4}, {})
+    )
+    assert noisy.tobytes() == (clean + np.float32(2.0 * 0.5) * standard).tobytes()
 
 
 @pytest.mark.parametrize("seed", [4, None])
