@@ -1,4 +1,8 @@
-"""Several real server processes behind one client: spread, ordered, resilient, consistent."""
+"""Several real servers behind one client: spread, ordered, resilient, consistent.
+
+Each replica is a real gRPC server on 127.0.0.1: started in this process where a test
+only talks to it, a process of its own where a test kills one.
+"""
 
 from __future__ import annotations
 
@@ -11,35 +15,42 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
+from pergrad.server.main import start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
-from tests.helpers import assert_close, batch_for, spawn_server, stop_server
+from tests.helpers import assert_close, batch_for, loopback_config, spawn_server, stop_server
 
 MODEL = "mnist_cnn"
 FLAGS = ("--model", MODEL, "--jit-compile", "off")
 
 
-def _replicas(count: int) -> list[tuple[object, str]]:
-    """`count` server processes, started side by side (each waits for its own ready line)."""
-    with ThreadPoolExecutor(count) as pool:
-        return list(
-            pool.map(lambda i: spawn_server(*FLAGS, "--replica-name", f"r{i}"), range(count))
-        )
+def _servers(count: int) -> Iterator[list[str]]:
+    """`count` in-process servers named r0, r1, ...: their targets, then they stop."""
+    running = [start(loopback_config(MODEL, replica_name=f"r{i}")) for i in range(count)]
+    yield [f"127.0.0.1:{server.port}" for server in running]
+    for server in running:
+        server.stop(0)
 
 
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[list[str]]:
     """Three replicas for tests that leave the weights alone."""
-    started = _replicas(3)
-    yield [target for _, target in started]
-    for process, _ in started:
-        stop_server(process)
+    yield from _servers(3)
 
 
 @pytest.fixture()
-def own_replicas() -> Iterator[list[tuple[object, str]]]:
-    """Two replicas a test may change or kill."""
-    started = _replicas(2)
+def own_replicas() -> Iterator[list[str]]:
+    """Two replicas a test may change."""
+    yield from _servers(2)
+
+
+@pytest.fixture()
+def processes() -> Iterator[list[tuple[object, str]]]:
+    """Two replica processes, started side by side, for a test that kills one."""
+    with ThreadPoolExecutor(2) as pool:
+        started = list(
+            pool.map(lambda i: spawn_server(*FLAGS, "--replica-name", f"r{i}"), range(2))
+        )
     yield started
     for process, _ in started:
         stop_server(process)
@@ -109,17 +120,17 @@ def test_stream_over_replicas_keeps_the_order(replicas: list[str]) -> None:
         assert_close({"n": got.norms}, {"n": want.norms})
 
 
-def test_call_completes_when_a_replica_is_killed_mid_stream(own_replicas) -> None:
-    (victim, _), _ = own_replicas
+def test_call_completes_when_a_replica_is_killed_mid_stream(processes) -> None:
+    (victim, _), _ = processes
     batches = [batch_for((28, 28, 1), 10, 64, seed=i) for i in range(12)]
-    with GradientClient(_many([t for _, t in own_replicas]), max_in_flight=2) as many:
+    with GradientClient(_many([t for _, t in processes]), max_in_flight=2) as many:
         results = []
         for result in many.stream(MODEL, iter(batches)):
             results.append(result)
             if len(results) == 2:
                 victim.kill()
     assert [r.batch_size for r in results] == [64] * 12
-    survivor = own_replicas[1][1]
+    survivor = processes[1][1]
     with GradientClient(survivor) as one:
         last = one.per_example_gradients(MODEL, *batches[-1])
     assert_close(results[-1].gradients, last.gradients)
@@ -140,7 +151,7 @@ def test_unavailable_only_when_no_replica_is_left() -> None:
 
 
 def test_set_weights_gives_every_replica_the_same_version(own_replicas) -> None:
-    targets = [t for _, t in own_replicas]
+    targets = own_replicas
     with GradientClient(targets[0]) as first:
         version, weights = first.get_weights(MODEL)
         first.set_weights(MODEL, weights)  # replica 0 is now one version ahead
@@ -155,7 +166,7 @@ def test_set_weights_gives_every_replica_the_same_version(own_replicas) -> None:
 
 
 def test_result_mixing_weights_versions_is_refused(own_replicas) -> None:
-    targets = [t for _, t in own_replicas]
+    targets = own_replicas
     with GradientClient(targets[0]) as first:
         _, weights = first.get_weights(MODEL)
         first.set_weights(MODEL, weights)
