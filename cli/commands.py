@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,9 @@ def _describe(info: ModelInfo) -> str:
         f"  labels  {info.labels.dtype.name} {list(info.labels.shape)}"
         + (f"  classes {info.num_classes}" if info.num_classes else ""),
         f"  loss    {info.loss}",
+        f"  plan    {info.plan_id}  {info.plan}",
+        "  limits  "
+        + "  ".join(f"{f.name} {getattr(info.limits, f.name)}" for f in fields(info.limits)),
     ]
     lines += [f"  var     {v.name}  {v.dtype.name} {list(v.shape)}" for v in info.variables]
     return "\n".join(lines)

@@ -5,14 +5,22 @@ Needs numpy, grpcio and protobuf only; it never imports TensorFlow or the server
 
 from pergrad.client._client import GradientClient
 from pergrad.client._credentials import Security
-from pergrad.client._types import ModelInfo, PergradError, TensorInfo
+from pergrad.client._types import (
+    MixedPlansWarning,
+    ModelInfo,
+    PergradError,
+    ServerLimits,
+    TensorInfo,
+)
 from pergrad.wire.results import GradientResult
 
 __all__ = [
     "GradientClient",
     "GradientResult",
+    "MixedPlansWarning",
     "ModelInfo",
     "PergradError",
     "Security",
+    "ServerLimits",
     "TensorInfo",
 ]

@@ -3,6 +3,7 @@ concurrently (on several replicas) and merged in order; batches spread over repl
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -13,7 +14,13 @@ import numpy as np
 
 from pergrad.client._call import Call
 from pergrad.client._receive import read_results
-from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
+from pergrad.client._types import (
+    MixedPlansWarning,
+    ModelInfo,
+    PergradError,
+    data_loss,
+    from_rpc_error,
+)
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import rows
 from pergrad.wire.results import GradientResult, merge
@@ -48,13 +55,24 @@ def computed(
 
 
 def check_versions(parts: list[GradientResult]) -> None:
-    """Refuse a result assembled from different weights."""
+    """Refuse a result assembled from different weights; warn (once per place, Python's
+    default) of one assembled from replicas on different plans: its bits then depend on
+    which replica computed which micro-batch."""
     if len({(p.model_version, p.weights_id) for p in parts}) > 1:
         seen = ", ".join(sorted({f"{p.server or '?'} v{p.model_version}" for p in parts}))
         raise PergradError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"micro-batches were computed with different weights versions ({seen}); "
             "pin model_version, or make every replica current with set_weights",
+        )
+    plans = {p.plan_id for p in parts}
+    if len(plans) > 1:
+        warnings.warn(
+            f"micro-batches were computed by replicas on different plans {sorted(plans)} "
+            "(XLA or not, layer routes): results agree only to float32 rounding; pin "
+            "--jit-compile on every replica",
+            MixedPlansWarning,
+            stacklevel=4,
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import grpc
@@ -87,6 +87,29 @@ class TensorInfo:
         return cls(spec.name, numpy_dtype(spec.dtype), tuple(spec.shape))
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
+class MixedPlansWarning(UserWarning):
+    """A result assembled from replicas that compute the model differently (ModelInfo.plan)."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """A replica's limits on one gradients request (its flags); over one is
+    RESOURCE_EXHAUSTED. Zero where the server did not say."""
+
+    max_batch: int = 0
+    max_request_bytes: int = 0
+    max_inflight_examples: int = 0
+    max_inflight_bytes: int = 0
+    max_coalesced_batch: int = 0
+
+    @classmethod
+    def from_proto(cls, limits: pb.ServerLimits) -> ServerLimits:
+        return cls(**{f.name: getattr(limits, f.name) for f in fields(cls)})
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -99,6 +122,10 @@ class ModelInfo:
     server: str = ""
     weights_id: str = ""
     inputs: tuple[TensorInfo, ...] = ()  # every input, by name, in model order
+    limits: ServerLimits = ServerLimits()
+    plan: str = ""  # XLA or not, slice size, each layer's route
+    plan_id: str = ""  # its fingerprint: equal on replicas that compute the same bits
+    loss_dtype: np.dtype = _FLOAT32  # of every result's losses
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo, *, max_bytes: int = MAX_MODEL_BYTES) -> ModelInfo:
@@ -126,6 +153,10 @@ class ModelInfo:
             weights_id=info.weights_id,
             inputs=tuple(TensorInfo.from_proto(t) for t in info.inputs)
             or (TensorInfo.from_proto(info.input),),
+            limits=ServerLimits.from_proto(info.limits),
+            plan=info.plan,
+            plan_id=info.plan_id,
+            loss_dtype=numpy_dtype(info.loss_dtype) if info.loss_dtype else _FLOAT32,
         )
 
     @property

@@ -201,7 +201,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-coalesced-batch",
         default=_env("MAX_COALESCED_BATCH", d.max_coalesced_batch),
-        help="examples in one shared pass; requests up to this size share passes "
+        help="bound on the examples of one shared pass: passes hold the largest power of two "
+        "within it and the engine's slice, and requests up to that pass size share passes "
         "(0: no coalescing)",
     )
     parser.add_argument(

@@ -17,7 +17,7 @@ from pergrad.server.admission import Admission
 from pergrad.server.coalescer import Coalescer
 from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
-from pergrad.server.errors import InvalidArgument
+from pergrad.server.errors import InvalidArgument, ResourceExhausted
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
 from pergrad.server.weights import Snapshot
@@ -60,8 +60,9 @@ class Work:
 def _decode(tensor: tensor_pb2.Tensor, what: str, max_batch: int) -> np.ndarray:
     """An array viewing the tensor's bytes, its batch size checked before anything else."""
     if tensor.shape and tensor.shape[0] > max_batch:
-        raise InvalidArgument(
-            f"{what}: batch of {tensor.shape[0]} exceeds --max-batch {max_batch}; split it"
+        raise ResourceExhausted(
+            f"{what}: batch of {tensor.shape[0]} exceeds --max-batch {max_batch} "
+            "(ModelInfo.limits.max_batch); split it"
         )
     return decode_tensor(tensor, what=what)
 
@@ -151,6 +152,7 @@ def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeade
         batch_size=work.batch.size,
         server=settings.replica_name,
         outputs=outputs,
+        plan_id=work.served.engine.plan_id,
     )
 
 

@@ -78,6 +78,16 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             loss=engine.loss.description,
             num_classes=engine.label_spec.num_classes,
             server=self._config.replica_name,
+            limits=pb.ServerLimits(
+                max_batch=self._config.max_batch,
+                max_request_bytes=self._config.max_request_bytes,
+                max_inflight_examples=self._config.max_inflight_examples,
+                max_inflight_bytes=self._config.max_inflight_bytes,
+                max_coalesced_batch=self._config.max_coalesced_batch,
+            ),
+            plan=engine.plan_text,
+            plan_id=engine.plan_id,
+            loss_dtype=wire_dtype(engine.loss_dtype),
         )
 
     @status

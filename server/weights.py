@@ -24,6 +24,9 @@ from pergrad.server.errors import FailedPrecondition, InvalidArgument
 
 # Far below int64's limit, so that no version + 1 ever overflows the wire's int64.
 MAX_VERSION = 1 << 62
+# How far one update may move the version: no single SetWeights can bring a model near
+# MAX_VERSION (2^30 such jumps would), so none can stop later updates.
+MAX_VERSION_STEP = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,9 @@ class WeightsStore:
     ) -> Snapshot:
         """Swap in new values for every variable at once; returns the new snapshot.
 
-        `new_version`, if given, must exceed the current one (replicas kept in step by
-        one client all get the same version); else the version grows by one.
+        `new_version`, if given, must exceed the current one by at most MAX_VERSION_STEP
+        (replicas kept in step by one client all get the same version); else the version
+        grows by one.
         """
         self.check([(name, array.dtype, array.shape) for name, array in arrays.items()])
         if not 0 <= new_version <= MAX_VERSION:
@@ -126,10 +130,10 @@ class WeightsStore:
                     f"expected weights_id {expected_id}, but current is {current.weights_id}; "
                     "another update came first, or the server restarted"
                 )
-            if new_version and new_version <= current.version:
+            if new_version and not 0 < new_version - current.version <= MAX_VERSION_STEP:
                 raise FailedPrecondition(
-                    f"new_version {new_version} does not exceed the current version "
-                    f"{current.version}"
+                    f"new_version {new_version} must exceed the current version "
+                    f"{current.version} by 1 to 2^32"
                 )
             version = new_version or current.version + 1
             if version > MAX_VERSION:

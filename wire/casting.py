@@ -30,14 +30,14 @@ def cast(array: Any, dtype: np.dtype | str, *, what: str) -> np.ndarray:
     """`array` as a C-contiguous array of `dtype`; CastError names `what` otherwise."""
     array, dtype = np.asarray(array), np.dtype(dtype)
     if array.dtype == dtype:
-        return np.ascontiguousarray(array)
+        return np.asarray(array, order="C")
     if not np.can_cast(array.dtype, dtype, casting="same_kind"):
         raise CastError(f"{what}: model expects {dtype.name}, got {array.dtype.name}")
     if array.size and array.dtype.kind in "iu" and dtype.kind in "iu":
         limits = np.iinfo(dtype)
         if array.min() < limits.min or array.max() > limits.max:
             raise CastError(f"{what}: values outside the range of {dtype.name}")
-    out = np.ascontiguousarray(array, dtype=dtype)
+    out = np.asarray(array, dtype=dtype, order="C")
     if array.size and dtype.kind == "f" and array.dtype.kind == "f":
         overflowed = np.isinf(out) & np.isfinite(array)
         if overflowed.any():

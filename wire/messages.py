@@ -15,6 +15,7 @@ import numpy as np
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.casting import cast
 from pergrad.wire.catalogue import CATALOGUE, Catalogue, Option, OptionError, Reduction
 from pergrad.wire.codec import CodecError, decode_tensor, encode_tensor, wire_dtype
 from pergrad.wire.results import GradientResult
@@ -100,12 +101,23 @@ def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
     value = getattr(request, option.field)
     if option.kind == "tensors":
         return {
-            name: decode_tensor(tensor, what=f"{option.name}[{name!r}]")
+            name: _float32_tensor(tensor, f"{option.field}[{name!r}]")
             for name, tensor in value.items()
         }
     if option.kind == "choice":
         return _enum_choice(option, value)
     return value
+
+
+def _float32_tensor(tensor: tensor_pb2.Tensor, what: str) -> np.ndarray:
+    """A tensors option's array, checked as inputs are: float32 (cast from another float
+    type within its range, or from an integer type), of rank >= 1, every value finite."""
+    array = cast(decode_tensor(tensor, what=what), np.float32, what=what)
+    if array.ndim == 0:
+        raise OptionError(f"{what}: a [K, *shape] tensor, got a scalar")
+    if not np.isfinite(array).all():
+        raise OptionError(f"{what}: holds NaN or infinity")
+    return array
 
 
 def parse_request(request: pb.GradientsRequest, catalogue: Catalogue = CATALOGUE) -> Asked:
@@ -131,6 +143,7 @@ def result_header(
     batch_size: int,
     server: str,
     outputs: Sequence[tuple[str, str, Sequence[int], np.dtype]],
+    plan_id: str = "",
 ) -> pb.ResultHeader:
     """The header announcing `outputs`: (field, variable or "", shape, dtype) each."""
     return pb.ResultHeader(
@@ -139,6 +152,7 @@ def result_header(
         weights_id=weights_id,
         batch_size=batch_size,
         server=server,
+        plan_id=plan_id,
         outputs=[
             pb.ResultTensor(
                 field=field,
@@ -191,6 +205,7 @@ def result_from_arrays(
         weights_id=header.weights_id,
         model=header.model,
         server=header.server,
+        plan_id=header.plan_id,
         catalogue=catalogue,
         **outputs,
     )

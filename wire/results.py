@@ -22,7 +22,8 @@ class GradientResult:
         losses: per-example loss, [B] (always).
         model_version, weights_id: the version and the identity (a digest of the content)
             of the weights every tensor was computed with.
-        model: the model's name. server: the replica(s) that computed it.
+        model: the model's name. server: the replica(s) that computed it; plan_id their
+            plans' fingerprints (ModelInfo.plan_id), comma-separated where they differ.
         outputs: {field: value} of the reduction's outputs; each is also an attribute.
             Per-variable fields map variable names to arrays ({} when the reduction has
             none), counts are ints, other fields arrays (None when absent):
@@ -41,6 +42,7 @@ class GradientResult:
         weights_id: str = "",
         model: str = "",
         server: str = "",
+        plan_id: str = "",
         catalogue: Catalogue = CATALOGUE,
         **outputs: Any,
     ) -> None:
@@ -50,6 +52,7 @@ class GradientResult:
             weights_id=weights_id,
             model=model,
             server=server,
+            plan_id=plan_id,
             outputs={},
             _catalogue=catalogue,
         )
@@ -168,6 +171,7 @@ def merge(parts: Sequence[GradientResult]) -> GradientResult:
         weights_id=first.weights_id,
         model=first.model,
         server=servers,
+        plan_id=",".join(dict.fromkeys(p.plan_id for p in parts)),
         catalogue=first._catalogue,
         **outputs,
     )

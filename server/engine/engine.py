@@ -15,6 +15,7 @@ admission), `compute` and `blocks` work on such a `Batch`; `per_example_gradient
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -145,12 +146,23 @@ class Engine:
             self.slice_size = min(self.slice_size, FALLBACK_MAX_SLICE)
         self._pass.slice_cap = self.slice_size
         self._pass.choose(weights, *self._pass.probe_batch(xs, y))
-        _LOGGER.info("model %s: %s", model.name, self.summary)
+        _LOGGER.info("model %s: %s (plan %s)", model.name, self.summary, self.plan_id)
 
     @property
     def input_spec(self) -> InputSpec:
         """The first (for most models, the only) input."""
         return self.input_specs[0]
+
+    @property
+    def plan_text(self) -> str:
+        """What decides this engine's bits: XLA or not, the slice size, each layer's route."""
+        xla = "on" if self._pass.xla else "off"
+        return f"XLA {xla}; slices of {self.slice_size} examples; {self.plan.describe()}"
+
+    @property
+    def plan_id(self) -> str:
+        """A short fingerprint of `plan_text`: equal on replicas that compute the same bits."""
+        return hashlib.blake2b(self.plan_text.encode(), digest_size=6).hexdigest()
 
     @property
     def summary(self) -> str:

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pergrad.client import GradientClient, PergradError
+from pergrad.client import GradientClient, MixedPlansWarning, PergradError
 from pergrad.server.main import start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
@@ -163,6 +163,29 @@ def test_set_weights_gives_every_replica_the_same_version(own_replicas) -> None:
             got_version, got = one.get_weights(MODEL)
         assert got_version == new_version
         np.testing.assert_array_equal(got["logits/bias"], weights["logits/bias"] * 2)
+
+
+def test_replicas_on_different_plans_warn() -> None:
+    """One replica with XLA, one without: a micro-batched result from both warns once."""
+    running = [
+        start(loopback_config(MODEL, replica_name="r0", jit_compile="off")),
+        start(loopback_config(MODEL, replica_name="r1", jit_compile="on")),
+    ]
+    x, y = batch_for((28, 28, 1), 10, 8)
+    try:
+        targets = [f"127.0.0.1:{server.port}" for server in running]
+        with (
+            GradientClient(_many(targets), micro_batch=1) as many,
+            pytest.warns(MixedPlansWarning, match="different plans"),
+        ):
+            for _ in range(5):  # round_robin may use one replica until both connect
+                result = many.per_example_gradients(MODEL, x, y, reduction="norms")
+                if "," in result.server:
+                    break
+    finally:
+        for server in running:
+            server.stop(0)
+    assert len(result.plan_id.split(",")) == 2
 
 
 def test_result_mixing_weights_versions_is_refused(own_replicas) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from pergrad.server.config import JIT_CHOICES
 from tests.helpers import installed_tool
 from tests.prometheus import DEPLOY, ROOT
 
@@ -77,6 +78,13 @@ def test_image_exposes_the_ports_it_configures(variant: str) -> None:
     ports = {env["PERGRAD_PORT"], env["PERGRAD_METRICS_PORT"]}
     assert set(_args(DOCKERFILES[variant], "EXPOSE")[0].split()) == ports
     assert "9090" not in ports  # Prometheus' own port
+
+
+@pytest.mark.parametrize("variant", sorted(DOCKERFILES))
+def test_image_pins_the_plan_so_replicas_agree(variant: str) -> None:
+    """`auto` times XLA at load and may choose differently on a busy node: replicas of
+    one image must compute the same bits."""
+    assert _env(DOCKERFILES[variant])["PERGRAD_JIT_COMPILE"] in JIT_CHOICES.keys() - {"auto"}
 
 
 def test_images_start_the_server_with_one_command_line() -> None:

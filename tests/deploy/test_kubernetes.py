@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pergrad.server.config import METRICS_PORT_OFFSET, parse
+from pergrad.server.config import JIT_CHOICES, METRICS_PORT_OFFSET, parse
 from pergrad.server.main import start
 from tests.helpers import installed_tool
 from tests.pki import make_pki
@@ -120,6 +120,10 @@ def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 def test_overlay_renders_every_object(rendered) -> None:
     assert sorted(o["kind"] for o in rendered) == EXPECTED_KINDS
     assert {o["metadata"].get("namespace", "pergrad") for o in rendered} == {"pergrad"}
+
+
+def test_overlay_pins_the_plan_so_replicas_agree(rendered) -> None:
+    assert _env(rendered)["PERGRAD_JIT_COMPILE"] in JIT_CHOICES.keys() - {"auto"}
 
 
 @pytest.mark.parametrize(

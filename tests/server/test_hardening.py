@@ -182,6 +182,9 @@ def _tensor(array: np.ndarray, *, shape=None, content=None, dtype=None) -> tenso
 
 
 _X = np.zeros((2, 784), np.float32)
+_DOT = {"reduction": pb.REDUCTION_DOT, "variables": ["logits/bias"]}
+_NAN_REFERENCE = np.full((1, 10), np.nan, np.float32)
+_HUGE_REFERENCE = np.full((1, 10), 1e300)
 _Y = np.zeros(2, np.int32)
 BAD_REQUESTS = {
     "inputs rank": (dict(inputs=_tensor(np.zeros(784, np.float32))), "INVALID_ARGUMENT", "inputs"),
@@ -217,7 +220,7 @@ BAD_REQUESTS = {
     ),
     "over max batch": (
         dict(inputs=_tensor(_X, shape=[5000, 784], content=b"")),
-        "INVALID_ARGUMENT",
+        "RESOURCE_EXHAUSTED",
         "exceeds --max-batch",
     ),
     "bytes vs shape": (
@@ -239,6 +242,21 @@ BAD_REQUESTS = {
         dict(labels=_tensor(np.array([0, 12], np.int32))),
         "INVALID_ARGUMENT",
         "class index 12",
+    ),
+    "dot reference NaN": (
+        dict(_DOT, reference={"logits/bias": _tensor(_NAN_REFERENCE)}),
+        "INVALID_ARGUMENT",
+        "reference['logits/bias']: holds NaN or infinity",
+    ),
+    "dot reference scalar": (
+        dict(_DOT, reference={"logits/bias": _tensor(np.ones(1, np.float32), shape=[])}),
+        "INVALID_ARGUMENT",
+        "reference['logits/bias']: a [K, *shape] tensor, got a scalar",
+    ),
+    "dot reference beyond float32": (
+        dict(_DOT, reference={"logits/bias": _tensor(_HUGE_REFERENCE)}),
+        "INVALID_ARGUMENT",
+        "reference['logits/bias']: values outside the range of float32",
     ),
     "unknown model": (dict(model="resnet"), "NOT_FOUND", "model 'resnet' not found"),
     "unknown variable": (

@@ -329,11 +329,23 @@ def test_unseeded_noise_over_the_wire_is_fresh_every_call(client: GradientClient
     assert not np.allclose(bias[0], bias[1]) and not np.allclose(bias[0], bias[2])
 
 
-def test_a_version_past_the_bound_is_refused_and_updates_go_on(fresh_client) -> None:
+@pytest.mark.parametrize(
+    ("new_version", "code"),
+    [
+        (2**63 - 1, grpc.StatusCode.INVALID_ARGUMENT),  # past the last version, 2^62
+        (2**62, grpc.StatusCode.FAILED_PRECONDITION),  # the last one, too far ahead
+        (1 + 2**32 + 1, grpc.StatusCode.FAILED_PRECONDITION),  # one past the largest step
+    ],
+)
+def test_a_version_too_far_ahead_is_refused_and_updates_go_on(
+    fresh_client, new_version: int, code: grpc.StatusCode
+) -> None:
+    """No one SetWeights can wedge a model: a version that would leave no room for later
+    updates is refused, and the next update gets version 2."""
     _, weights = fresh_client.get_weights("mnist_mlp")
     header = pb.WeightsHeader(
         model="mnist_mlp",
-        new_version=2**63 - 1,
+        new_version=new_version,
         tensors=[tensor_spec(name, array) for name, array in weights.items()],
     )
     messages = [pb.WeightsMessage(header=header)] + [
@@ -343,7 +355,7 @@ def test_a_version_past_the_bound_is_refused_and_updates_go_on(fresh_client) -> 
     ]
     with pytest.raises(grpc.RpcError) as err:
         fresh_client._stub.SetWeights(iter(messages), timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == code
     assert "new_version" in err.value.details()
     assert fresh_client.set_weights("mnist_mlp", weights) == 2
     x, y = batch_for((784,), 10, 2)
@@ -375,16 +387,18 @@ def test_a_pin_from_an_earlier_server_life_fails(model_dir: Path) -> None:
 
 
 def test_replicas_with_the_same_weights_report_the_same_identity(model_dir: Path) -> None:
+    """Same weights and same flags: the same weights_id, and the same plan_id."""
     servers = [_start(model_dir=model_dir) for _ in range(2)]
     try:
-        ids = []
+        infos = []
         for running in servers:
             with GradientClient(_target(running)) as client:
-                ids.append(client.model_info("mnist_mlp").weights_id)
+                infos.append(client.model_info("mnist_mlp"))
     finally:
         for running in servers:
             running.stop(0)
-    assert ids[0] == ids[1] and len(ids[0]) == 32
+    assert infos[0].weights_id == infos[1].weights_id and len(infos[0].weights_id) == 32
+    assert infos[0].plan_id == infos[1].plan_id and infos[0].plan == infos[1].plan
 
 
 @pytest.mark.parametrize(("ids", "examples"), [([[5, 1000]], [0]), ([[3, 4], [-1, 2]], [1])])

@@ -13,7 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pergrad.client import GradientClient, PergradError
+from pergrad.client import GradientClient, PergradError, ServerLimits
+from pergrad.server.config import Config
 from pergrad.server.main import SERVICE_NAME, RunningServer
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
@@ -58,6 +59,26 @@ def test_model_info_describes_variables_input_labels_and_loss(client: GradientCl
     assert info.input.shape == (-1, 28, 28, 1) and info.input.dtype == np.float32
     assert info.labels.shape == (-1,) and info.labels.dtype == np.int32
     assert info.num_classes == 10 and "from_logits=True" in info.loss
+
+
+def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) -> None:
+    """What a client needs to size batches and to know replicas agree; the conftest
+    server runs with --max-batch 512, --jit-compile off and the other defaults."""
+    info = client.model_info("mnist_mlp")
+    defaults = Config()
+    assert info.limits == ServerLimits(
+        max_batch=512,
+        max_request_bytes=defaults.max_request_bytes,
+        max_inflight_examples=defaults.max_inflight_examples,
+        max_inflight_bytes=defaults.max_inflight_bytes,
+        max_coalesced_batch=defaults.max_coalesced_batch,
+    )
+    assert info.plan.startswith("XLA off; slices of ") and "closed-form rules: " in info.plan
+    assert len(info.plan_id) == 12 and info.loss_dtype == np.float32
+    x, y = batch_for((784,), 10, 3)
+    assert client.per_example_gradients("mnist_mlp", x, y, reduction="norms").plan_id == (
+        info.plan_id
+    )
 
 
 @pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn", KERAS_MODEL_NAME])
@@ -201,7 +222,7 @@ def test_pinned_version_that_is_not_current_fails_precondition(client: GradientC
             "mnist_mlp",
             np.zeros((600, 784), np.float32),
             np.zeros(600, np.int32),
-            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
             "batch of 600 exceeds --max-batch 512",
         ),
     ],

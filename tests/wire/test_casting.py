@@ -67,3 +67,9 @@ def test_any_memory_layout_comes_back_c_contiguous() -> None:
     out = cast(strided, np.float32, what="inputs")
     assert out.flags.c_contiguous
     np.testing.assert_array_equal(out, strided)
+
+
+def test_a_scalar_stays_a_scalar() -> None:
+    """Its shape is checked after the cast (a DOT reference must have a K axis)."""
+    assert cast(np.float64(2.5), np.float32, what="reference").shape == ()
+    assert cast(np.float32(2.5), np.float32, what="reference").shape == ()

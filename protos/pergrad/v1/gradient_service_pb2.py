@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pergrad.v1 import tensor_pb2 as pergrad_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pergrad/v1/gradient_service.proto\x12\npergrad.v1\x1a\x17pergrad/v1/tensor.proto\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x99\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12)\n\tvariables\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12%\n\x05input\x18\x04 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12&\n\x06labels\x18\x05 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x0c\n\x04loss\x18\x06 \x01(\t\x12\x13\n\x0bnum_classes\x18\x07 \x01(\x03\x12\x0e\n\x06server\x18\x08 \x01(\t\x12\x12\n\nweights_id\x18\t \x01(\t\x12&\n\x06inputs\x18\n \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\"\"\n\x11GetWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x87\x01\n\rWeightsHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x13\n\x0bnew_version\x18\x04 \x01(\x03\x12\x12\n\nweights_id\x18\x05 \x01(\t\"o\n\x0eWeightsMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pergrad.v1.WeightsHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part\"N\n\x12SetWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nweights_id\x18\x03 \x01(\t\"\xf4\x05\n\x10GradientsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\"\n\x06inputs\x18\x03 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\"\n\x06labels\x18\x04 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12(\n\treduction\x18\x06 \x01(\x0e\x32\x15.pergrad.v1.Reduction\x12\x11\n\tvariables\x18\x07 \x03(\t\x12\x15\n\x08max_norm\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10noise_multiplier\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x02\x88\x01\x01\x12>\n\treference\x18\x0b \x03(\x0b\x32+.pergrad.v1.GradientsRequest.ReferenceEntry\x12\x10\n\x03\x64im\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x33\n\nprojection\x18\r \x01(\x0e\x32\x1a.pergrad.v1.ProjectionKindH\x04\x88\x01\x01\x12(\n\nwire_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\x12\n\nweights_id\x18\x0f \x01(\t\x12\x43\n\x0cnamed_inputs\x18\x10 \x03(\x0b\x32-.pergrad.v1.GradientsRequest.NamedInputsEntry\x1a\x44\n\x0eReferenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x1a\x46\n\x10NamedInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x42\x0b\n\t_max_normB\x13\n\x11_noise_multiplierB\x07\n\x05_seedB\x06\n\x04_dimB\r\n\x0b_projection\"E\n\x0cResultTensor\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\"\x97\x01\n\x0cResultHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12)\n\x07outputs\x18\x04 \x03(\x0b\x32\x18.pergrad.v1.ResultTensor\x12\x0e\n\x06server\x18\x05 \x01(\t\x12\x12\n\nweights_id\x18\x06 \x01(\t\"\x85\x01\n\x11GradientsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x18.pergrad.v1.ResultHeaderH\x00\x12(\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part*\x90\x01\n\tReduction\x12\x12\n\x0eREDUCTION_NONE\x10\x00\x12\x13\n\x0fREDUCTION_NORMS\x10\x01\x12\x19\n\x15REDUCTION_CLIPPED_SUM\x10\x02\x12\x15\n\x11REDUCTION_MOMENTS\x10\x03\x12\x11\n\rREDUCTION_DOT\x10\x04\x12\x15\n\x11REDUCTION_PROJECT\x10\x05*N\n\x0eProjectionKind\x12\x1e\n\x1aPROJECTION_KIND_RADEMACHER\x10\x00\x12\x1c\n\x18PROJECTION_KIND_GAUSSIAN\x10\x01\x32\xf8\x03\n\x0fGradientService\x12K\n\nListModels\x12\x1d.pergrad.v1.ListModelsRequest\x1a\x1e.pergrad.v1.ListModelsResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pergrad.v1.GetModelInfoRequest\x1a\x15.pergrad.v1.ModelInfo\x12I\n\nGetWeights\x12\x1d.pergrad.v1.GetWeightsRequest\x1a\x1a.pergrad.v1.WeightsMessage0\x01\x12J\n\nSetWeights\x12\x1a.pergrad.v1.WeightsMessage\x1a\x1e.pergrad.v1.SetWeightsResponse(\x01\x12[\n\x1a\x43omputePerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse0\x01\x12\\\n\x19StreamPerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pergrad/v1/gradient_service.proto\x12\npergrad.v1\x1a\x17pergrad/v1/tensor.proto\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x8c\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12)\n\tvariables\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12%\n\x05input\x18\x04 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12&\n\x06labels\x18\x05 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x0c\n\x04loss\x18\x06 \x01(\t\x12\x13\n\x0bnum_classes\x18\x07 \x01(\x03\x12\x0e\n\x06server\x18\x08 \x01(\t\x12\x12\n\nweights_id\x18\t \x01(\t\x12&\n\x06inputs\x18\n \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12(\n\x06limits\x18\x0b \x01(\x0b\x32\x18.pergrad.v1.ServerLimits\x12\x0c\n\x04plan\x18\x0c \x01(\t\x12\x0f\n\x07plan_id\x18\r \x01(\t\x12(\n\nloss_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\"\x94\x01\n\x0cServerLimits\x12\x11\n\tmax_batch\x18\x01 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x02 \x01(\x03\x12\x1d\n\x15max_inflight_examples\x18\x03 \x01(\x03\x12\x1a\n\x12max_inflight_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13max_coalesced_batch\x18\x05 \x01(\x03\"\"\n\x11GetWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x87\x01\n\rWeightsHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x13\n\x0bnew_version\x18\x04 \x01(\x03\x12\x12\n\nweights_id\x18\x05 \x01(\t\"o\n\x0eWeightsMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pergrad.v1.WeightsHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part\"N\n\x12SetWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nweights_id\x18\x03 \x01(\t\"\xf4\x05\n\x10GradientsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\"\n\x06inputs\x18\x03 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\"\n\x06labels\x18\x04 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12(\n\treduction\x18\x06 \x01(\x0e\x32\x15.pergrad.v1.Reduction\x12\x11\n\tvariables\x18\x07 \x03(\t\x12\x15\n\x08max_norm\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10noise_multiplier\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x02\x88\x01\x01\x12>\n\treference\x18\x0b \x03(\x0b\x32+.pergrad.v1.GradientsRequest.ReferenceEntry\x12\x10\n\x03\x64im\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x33\n\nprojection\x18\r \x01(\x0e\x32\x1a.pergrad.v1.ProjectionKindH\x04\x88\x01\x01\x12(\n\nwire_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\x12\n\nweights_id\x18\x0f \x01(\t\x12\x43\n\x0cnamed_inputs\x18\x10 \x03(\x0b\x32-.pergrad.v1.GradientsRequest.NamedInputsEntry\x1a\x44\n\x0eReferenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x1a\x46\n\x10NamedInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x42\x0b\n\t_max_normB\x13\n\x11_noise_multiplierB\x07\n\x05_seedB\x06\n\x04_dimB\r\n\x0b_projection\"E\n\x0cResultTensor\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\"\xa8\x01\n\x0cResultHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12)\n\x07outputs\x18\x04 \x03(\x0b\x32\x18.pergrad.v1.ResultTensor\x12\x0e\n\x06server\x18\x05 \x01(\t\x12\x12\n\nweights_id\x18\x06 \x01(\t\x12\x0f\n\x07plan_id\x18\x07 \x01(\t\"\x85\x01\n\x11GradientsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x18.pergrad.v1.ResultHeaderH\x00\x12(\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part*\x90\x01\n\tReduction\x12\x12\n\x0eREDUCTION_NONE\x10\x00\x12\x13\n\x0fREDUCTION_NORMS\x10\x01\x12\x19\n\x15REDUCTION_CLIPPED_SUM\x10\x02\x12\x15\n\x11REDUCTION_MOMENTS\x10\x03\x12\x11\n\rREDUCTION_DOT\x10\x04\x12\x15\n\x11REDUCTION_PROJECT\x10\x05*N\n\x0eProjectionKind\x12\x1e\n\x1aPROJECTION_KIND_RADEMACHER\x10\x00\x12\x1c\n\x18PROJECTION_KIND_GAUSSIAN\x10\x01\x32\xf8\x03\n\x0fGradientService\x12K\n\nListModels\x12\x1d.pergrad.v1.ListModelsRequest\x1a\x1e.pergrad.v1.ListModelsResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pergrad.v1.GetModelInfoRequest\x1a\x15.pergrad.v1.ModelInfo\x12I\n\nGetWeights\x12\x1d.pergrad.v1.GetWeightsRequest\x1a\x1a.pergrad.v1.WeightsMessage0\x01\x12J\n\nSetWeights\x12\x1a.pergrad.v1.WeightsMessage\x1a\x1e.pergrad.v1.SetWeightsResponse(\x01\x12[\n\x1a\x43omputePerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse0\x01\x12\\\n\x19StreamPerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_options = b'8\001'
   _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._loaded_options = None
   _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_REDUCTION']._serialized_start=1943
-  _globals['_REDUCTION']._serialized_end=2087
-  _globals['_PROJECTIONKIND']._serialized_start=2089
-  _globals['_PROJECTIONKIND']._serialized_end=2167
+  _globals['_REDUCTION']._serialized_start=2226
+  _globals['_REDUCTION']._serialized_end=2370
+  _globals['_PROJECTIONKIND']._serialized_start=2372
+  _globals['_PROJECTIONKIND']._serialized_end=2450
   _globals['_LISTMODELSREQUEST']._serialized_start=74
   _globals['_LISTMODELSREQUEST']._serialized_end=93
   _globals['_LISTMODELSRESPONSE']._serialized_start=95
@@ -47,27 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=133
   _globals['_GETMODELINFOREQUEST']._serialized_end=169
   _globals['_MODELINFO']._serialized_start=172
-  _globals['_MODELINFO']._serialized_end=453
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=455
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=489
-  _globals['_WEIGHTSHEADER']._serialized_start=492
-  _globals['_WEIGHTSHEADER']._serialized_end=627
-  _globals['_WEIGHTSMESSAGE']._serialized_start=629
-  _globals['_WEIGHTSMESSAGE']._serialized_end=740
-  _globals['_SETWEIGHTSRESPONSE']._serialized_start=742
-  _globals['_SETWEIGHTSRESPONSE']._serialized_end=820
-  _globals['_GRADIENTSREQUEST']._serialized_start=823
-  _globals['_GRADIENTSREQUEST']._serialized_end=1579
-  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_start=1373
-  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_end=1441
-  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_start=1443
-  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_end=1513
-  _globals['_RESULTTENSOR']._serialized_start=1581
-  _globals['_RESULTTENSOR']._serialized_end=1650
-  _globals['_RESULTHEADER']._serialized_start=1653
-  _globals['_RESULTHEADER']._serialized_end=1804
-  _globals['_GRADIENTSRESPONSE']._serialized_start=1807
-  _globals['_GRADIENTSRESPONSE']._serialized_end=1940
-  _globals['_GRADIENTSERVICE']._serialized_start=2170
-  _globals['_GRADIENTSERVICE']._serialized_end=2674
+  _globals['_MODELINFO']._serialized_end=568
+  _globals['_SERVERLIMITS']._serialized_start=571
+  _globals['_SERVERLIMITS']._serialized_end=719
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=721
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=755
+  _globals['_WEIGHTSHEADER']._serialized_start=758
+  _globals['_WEIGHTSHEADER']._serialized_end=893
+  _globals['_WEIGHTSMESSAGE']._serialized_start=895
+  _globals['_WEIGHTSMESSAGE']._serialized_end=1006
+  _globals['_SETWEIGHTSRESPONSE']._serialized_start=1008
+  _globals['_SETWEIGHTSRESPONSE']._serialized_end=1086
+  _globals['_GRADIENTSREQUEST']._serialized_start=1089
+  _globals['_GRADIENTSREQUEST']._serialized_end=1845
+  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_start=1639
+  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_end=1707
+  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_start=1709
+  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_end=1779
+  _globals['_RESULTTENSOR']._serialized_start=1847
+  _globals['_RESULTTENSOR']._serialized_end=1916
+  _globals['_RESULTHEADER']._serialized_start=1919
+  _globals['_RESULTHEADER']._serialized_end=2087
+  _globals['_GRADIENTSRESPONSE']._serialized_start=2090
+  _globals['_GRADIENTSRESPONSE']._serialized_end=2223
+  _globals['_GRADIENTSERVICE']._serialized_start=2453
+  _globals['_GRADIENTSERVICE']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs")
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs", "limits", "plan", "plan_id", "loss_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,10 @@ class ModelInfo(_message.Message):
     SERVER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_version: int
     variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
@@ -68,7 +72,25 @@ class ModelInfo(_message.Message):
     server: str
     weights_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
-    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+    limits: ServerLimits
+    plan: str
+    plan_id: str
+    loss_dtype: _tensor_pb2.DataType
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., plan: _Optional[str] = ..., plan_id: _Optional[str] = ..., loss_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ...) -> None: ...
+
+class ServerLimits(_message.Message):
+    __slots__ = ("max_batch", "max_request_bytes", "max_inflight_examples", "max_inflight_bytes", "max_coalesced_batch")
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_COALESCED_BATCH_FIELD_NUMBER: _ClassVar[int]
+    max_batch: int
+    max_request_bytes: int
+    max_inflight_examples: int
+    max_inflight_bytes: int
+    max_coalesced_batch: int
+    def __init__(self, max_batch: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., max_inflight_examples: _Optional[int] = ..., max_inflight_bytes: _Optional[int] = ..., max_coalesced_batch: _Optional[int] = ...) -> None: ...
 
 class GetWeightsRequest(_message.Message):
     __slots__ = ("model",)
@@ -167,20 +189,22 @@ class ResultTensor(_message.Message):
     def __init__(self, field: _Optional[str] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ...) -> None: ...
 
 class ResultHeader(_message.Message):
-    __slots__ = ("model", "model_version", "batch_size", "outputs", "server", "weights_id")
+    __slots__ = ("model", "model_version", "batch_size", "outputs", "server", "weights_id", "plan_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SERVER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     batch_size: int
     outputs: _containers.RepeatedCompositeFieldContainer[ResultTensor]
     server: str
     weights_id: str
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
+    plan_id: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., plan_id: _Optional[str] = ...) -> None: ...
 
 class GradientsResponse(_message.Message):
     __slots__ = ("request_id", "header", "chunk")
