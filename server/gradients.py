@@ -17,7 +17,7 @@ from pergrad.server.admission import Admission
 from pergrad.server.coalescer import Coalescer
 from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
-from pergrad.server.errors import InvalidArgument, ResourceExhausted
+from pergrad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
 from pergrad.server.weights import Snapshot
@@ -177,10 +177,22 @@ def _shared(work: Work, coalescer: Coalescer, cancelled: Callable[[], bool]) -> 
     return coalescer.compute(Job(work.batch, sink, cancelled), work.snapshot)
 
 
+def _finite(arrays: Sequence[np.ndarray]) -> None:
+    """Inputs are finite (checked), so a NaN or infinity in a result comes from weights whose
+    use overflows float32: refused, never sent as if it were a result."""
+    for array in arrays:
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise FailedPrecondition(
+                "the result holds NaN or infinity: the current weights overflow on this "
+                "batch; set smaller weights"
+            )
+
+
 def _whole_result(
     work: Work, settings: Settings, compute: Callable[[], GradientResult]
 ) -> Iterator[Part]:
     tensors = result_arrays(compute())
+    _finite([array for _, _, array in tensors])
     yield _header(work, settings, [(f, v, a.shape, a.dtype) for f, v, a in tensors])
     for index, (_, _, array) in enumerate(tensors):
         yield from iter_raw_chunks(index, array, chunk_bytes=settings.chunk_bytes)
@@ -203,18 +215,16 @@ def _full_gradients(
         buffer_sets=3,
     )
     dtypes = [dtype for _, dtype in work.outputs[1:]]
-    # The cast to the wire dtype runs in the prefetch thread too, beside the sending.
-    casted = (
-        (
-            part.start,
-            [
-                part.losses,
-                *(g.astype(d, copy=False) for g, d in zip(part.gradients, dtypes, strict=True)),
-            ],
-        )
-        for part in blocks
-    )
-    for first, arrays in prefetched(casted, stop=cancelled):
+
+    def casted() -> Iterator[tuple[int, list[np.ndarray]]]:
+        """Each block checked, then cast to the wire dtype (whose rounding and overflow the
+        contract states), in the prefetch thread, beside the sending."""
+        for part in blocks:
+            _finite([part.losses, *part.gradients])
+            gradients = zip(part.gradients, dtypes, strict=True)
+            yield part.start, [part.losses, *(g.astype(d, copy=False) for g, d in gradients)]
+
+    for first, arrays in prefetched(casted(), stop=cancelled):
         for index, array in enumerate(arrays):
             start = first * (array.nbytes // array.shape[0])
             yield from iter_raw_chunks(index, array, start=start, chunk_bytes=settings.chunk_bytes)

@@ -27,6 +27,18 @@ from pergrad.wire.catalogue import OptionError
 from pergrad.wire.codec import CodecError
 
 _LOGGER = logging.getLogger(__name__)
+# Characters of an error message sent at most: messages quote what the client sent (a
+# model's name, tensor names), and gRPC refuses trailers over 8 KiB, which the client
+# would see as RESOURCE_EXHAUSTED instead of the error.
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_CHARS with a note of how much was left out."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    left_out = len(message) - MAX_MESSAGE_CHARS
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({left_out} more characters)"
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,7 @@ def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics
         _LOGGER.exception("internal error")
         code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
     metrics.request_rejected(code)
-    context.abort(code, message)
+    context.abort(code, bounded(message))
 
 
 def _well_formed(request: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ class WeightsStore:
         """Refuse unless (name, dtype, shape) covers every variable exactly once."""
         names = [name for name, _, _ in tensors]
         expected = {v.name for v in self._variables}
-        duplicated = sorted({n for n in names if names.count(n) > 1})
+        duplicated = sorted(name for name, count in Counter(names).items() if count > 1)
         missing = sorted(expected - set(names))
         unknown = sorted(set(names) - expected)
         if duplicated or missing or unknown:

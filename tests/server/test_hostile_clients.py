@@ -449,6 +449,21 @@ def test_weights_holding_nan_are_refused_and_nothing_changes(fresh_client) -> No
     assert fresh_client.get_weights("mnist_mlp")[0] == version
 
 
+@pytest.mark.parametrize("reduction", ["none", "norms", "clipped_sum", "moments"])
+def test_finite_weights_whose_use_overflows_give_no_result(fresh_client, reduction) -> None:
+    """Weights of 3e38 are finite, so accepted; every logit they make overflows. The call
+    is FAILED_PRECONDITION, never NaN with OK, alone or in a shared pass."""
+    _, weights = fresh_client.get_weights("mnist_mlp")
+    fresh_client.set_weights("mnist_mlp", {k: np.full_like(w, 3e38) for k, w in weights.items()})
+    options = {"max_norm": 1.0} if reduction == "clipped_sum" else {}
+    for size in (4, 300):  # a shared pass, and a request computed alone
+        x, y = batch_for((784,), 10, size)
+        with pytest.raises(PergradError) as err:
+            fresh_client.per_example_gradients("mnist_mlp", x, y, reduction=reduction, **options)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value.message
+        assert "NaN or infinity" in err.value.message
+
+
 @pytest.mark.parametrize("field", ["inputs", "labels", "reference"])
 @pytest.mark.parametrize("shape", [[1] + [2**62] * 20, [1, 0, 2**62, 2**62]], ids=["huge", "zero"])
 def test_absurd_shapes_are_invalid_arguments(server, field: str, shape: list[int]) -> None:
@@ -520,3 +535,27 @@ def test_cancelled_streams_are_counted_cancelled_not_internal(fresh_server, capl
         assert _handled(exposition, method, "CANCELLED") == 1, method
         assert not _handled(exposition, method, "INTERNAL"), method
     assert "internal error" not in caplog.text
+
+
+def test_a_header_declaring_60000_tensors_is_refused_at_once(fresh_client) -> None:
+    """The names are checked in linear time and the message quoting them is cut short:
+    INVALID_ARGUMENT (not a trailer too large for gRPC), and updates go on."""
+    header = pb.WeightsHeader(
+        model="mnist_mlp",
+        tensors=[tensor_pb2.TensorSpec(name=f"t{i}", dtype=1, shape=[1]) for i in range(60000)],
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        fresh_client._stub.SetWeights(iter([pb.WeightsMessage(header=header)]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown" in err.value.details() and len(err.value.details()) <= 1100
+    _, weights = fresh_client.get_weights("mnist_mlp")
+    assert fresh_client.set_weights("mnist_mlp", weights) == 2
+
+
+def test_error_messages_quoting_huge_input_are_cut_short(client: GradientClient) -> None:
+    """A 1 MB model name: NOT_FOUND with a message of bounded length."""
+    x, y = batch_for((784,), 10, 2)
+    with pytest.raises(PergradError) as err:
+        client.per_example_gradients("m" * (1 << 20), x, y)
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert len(err.value.message) <= 1100 and "more characters" in err.value.message
