@@ -43,6 +43,15 @@ LOSSES = Output(
 )
 
 _NOISE_HELP = "Gaussian noise of std noise_multiplier * max_norm added to every element of the sum"
+# One declaration for the reductions that draw random numbers (the proto's "Random numbers").
+SEED = Option(
+    "seed",
+    "int",
+    "seed of the reduction's random numbers; unset: clipped_sum's noise is fresh from the "
+    "OS's secure source, project's matrix is seed 0's",
+    minimum=0,
+    maximum=2**64 - 1,
+)
 DEFAULT_REDUCTIONS = (
     Reduction(
         NONE,
@@ -92,13 +101,7 @@ DEFAULT_REDUCTIONS = (
                 minimum=0.0,
                 once_per_batch=True,
             ),
-            Option(
-                "seed",
-                "int",
-                "noise seed (default: fresh noise from the OS's secure random source)",
-                minimum=0,
-                maximum=2**64 - 1,
-            ),
+            SEED,
         ),
         outputs=(
             Output("clipped_sum", True, "sum", ("var",), "sum_b min(1, C/||g_b||) g_bv + noise"),
@@ -142,12 +145,11 @@ DEFAULT_REDUCTIONS = (
                 minimum=1,
                 maximum=1 << 16,
             ),
-            Option("seed", "int", "projection seed", default=0, minimum=0, maximum=2**64 - 1),
+            SEED,
             Option(
-                "kind",
+                "projection",
                 "choice",
                 "distribution of the projection's entries",
-                wire_field="projection",
                 default="rademacher",
                 choices=("rademacher", "gaussian"),
                 enum_prefix="PROJECTION_KIND_",
@@ -158,14 +160,31 @@ DEFAULT_REDUCTIONS = (
 )
 
 
+# The client's call parameters (`GradientClient.per_example_gradients` and `stream`, whose
+# other keywords are reduction options): no option may take one of these names, or the
+# call would swallow it (tests/client/test_call.py holds the client's signatures to it).
+CALL_PARAMETERS = frozenset(
+    {"model", "x", "y", "batches", "out", "timeout", "reduction", "variables"}
+    | {"model_version", "weights_id", "upcast"}
+)
+
+
+def _free_names(reduction: Reduction) -> Reduction:
+    taken = sorted(set(reduction.option_names) & CALL_PARAMETERS)
+    if taken:
+        raise ValueError(f"{reduction.name}: options {taken} would be call parameters")
+    return reduction
+
+
 @dataclass
 class Catalogue:
-    """The reductions by name; `extended` adds one for a block (tests)."""
+    """The reductions by name; `extended` adds one for a block (tests). An option named
+    like a call parameter is refused here (CALL_PARAMETERS)."""
 
     reductions: dict[str, Reduction] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.reductions = dict(self.reductions)
+        self.reductions = {name: _free_names(r) for name, r in self.reductions.items()}
 
     @property
     def names(self) -> list[str]:
@@ -225,7 +244,7 @@ class Catalogue:
 
     @contextmanager
     def extended(self, reduction: Reduction) -> Iterator[Reduction]:
-        self.reductions[reduction.name] = reduction
+        self.reductions[reduction.name] = _free_names(reduction)
         try:
             yield reduction
         finally:

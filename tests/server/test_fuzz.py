@@ -161,7 +161,8 @@ OPTIONS = {
         optional={"noise_multiplier": st.floats(0, 100), "seed": SEEDS},
     ),
     "project": st.fixed_dictionaries(
-        {"dim": st.integers(1, 512)}, optional={"seed": SEEDS, "kind": _choices("project", "kind")}
+        {"dim": st.integers(1, 512)},
+        optional={"seed": SEEDS, "projection": _choices("project", "projection")},
     ),
 }
 

@@ -33,7 +33,7 @@ def _batch(size: int = 9):
             ["clipped_sum", "norms", "num_clipped"],
         ),
         ("moments", {}, ["sum", "sum_squares"]),
-        ("project", {"dim": 64, "seed": 2, "kind": "gaussian"}, ["projections"]),
+        ("project", {"dim": 64, "seed": 2, "projection": "gaussian"}, ["projections"]),
     ],
 )
 def test_remote_reduction_equals_in_process_engine(

@@ -34,12 +34,20 @@ def test_every_option_is_a_request_field_of_its_kind() -> None:
             assert field.has_presence, f"{option.name}: an unset value must be told apart"
 
 
-def test_options_of_one_name_agree_across_reductions() -> None:
+def test_an_option_name_has_one_declaration_across_reductions() -> None:
+    """One name, one meaning: type, field, default, bounds and help all agree (the CLI
+    prints one help per flag)."""
     for option in CATALOGUE.options():
         same = [
             o for r in CATALOGUE.reductions.values() for o in r.options if o.name == option.name
         ]
-        assert {(o.kind, o.field) for o in same} == {(option.kind, option.field)}
+        assert all(o == option for o in same), option.name
+
+
+def test_option_names_are_their_proto_fields() -> None:
+    """Error messages name an option as the request's field a proto reader knows."""
+    for option in CATALOGUE.options():
+        assert option.field == option.name
 
 
 def test_the_protos_reduction_comment_names_every_output() -> None:
@@ -63,7 +71,7 @@ def test_the_protos_reduction_comment_names_every_output() -> None:
         ("clipped_sum", {"max_norm": 1, "seed": -1}, "0 <= seed <= 18446744073709551615"),
         ("project", {"dim": 70000}, "1 <= dim <= 65536, got 70000"),
         ("project", {"dim": 2.5}, "got 2.5"),
-        ("project", {"dim": 4, "kind": "uniform"}, "unknown kind 'uniform'"),
+        ("project", {"dim": 4, "projection": "uniform"}, "unknown projection 'uniform'"),
         ("norms", {"dim": 4}, "dim applies to project"),
         ("dot", {}, "reference: dot needs"),
     ],
@@ -75,6 +83,6 @@ def test_bad_options_are_refused_naming_the_option(reduction, options, message) 
 
 def test_defaults_are_filled_in() -> None:
     checked = CATALOGUE.check_options(CATALOGUE.get("project"), {"dim": 8})
-    assert checked == {"dim": 8, "seed": 0, "kind": "rademacher"}
+    assert checked == {"dim": 8, "seed": None, "projection": "rademacher"}
     checked = CATALOGUE.check_options(CATALOGUE.get("clipped_sum"), {"max_norm": 2})
     assert checked == {"max_norm": 2.0, "noise_multiplier": 0.0, "seed": None}

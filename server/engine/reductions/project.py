@@ -77,12 +77,12 @@ class Project:
         variables: Sequence[Selected],
         *,
         dim: int,
-        seed: int,
-        kind: str,
+        seed: int | None,
+        projection: str,
         cache: MatrixCache = CACHE,
     ) -> None:
         self._variables = variables
-        self._dim, self._seed, self._kind = int(dim), int(seed), kind
+        self._dim, self._seed, self._kind = int(dim), int(seed or 0), projection
         self._cache = cache
         self._parts: list[np.ndarray] = []
 

@@ -171,7 +171,7 @@ def test_projections_match_the_matrix_the_wire_contract_defines(name: str, kind:
     engine = _engine(name)
     x, y = _batch(engine)
     full = _full(engine, x, y)
-    result = engine.per_example_gradients(x, y, reduction="project", dim=8, seed=5, kind=kind)
+    result = engine.per_example_gradients(x, y, reduction="project", dim=8, seed=5, projection=kind)
     matrices = {
         v.path: spec_random.projection_matrix(5, index, tuple(v.shape), 8, kind)
         for index, v in enumerate(engine.model.trainable_variables)
@@ -207,7 +207,7 @@ def test_gaussian_projection_preserves_squared_norms_within_chi_square_bounds() 
     grads = _oracle(engine, x, y)
     squared = oracle.per_example_norms({name: grads[name] for name in dense}) ** 2
     dim, seeds = 512, range(16)
-    options = {"dim": dim, "kind": "gaussian", "variables": dense}
+    options = {"dim": dim, "projection": "gaussian", "variables": dense}
     total = sum(_squared_projections(engine, x, y, seed, **options) for seed in seeds)
     statistic, dof = dim * total / squared, dim * len(seeds)
     tail = 1e-9 / (2 * len(x))
@@ -298,7 +298,7 @@ def test_variables_filter_limits_every_output() -> None:
         ({"reduction": "norms", "max_norm": 1.0}, "not options of reduction 'norms'"),
         ({"max_norm": 1.0}, "not options of reduction 'none'"),
         ({"reduction": "project"}, "dim: project needs 1 <= dim"),
-        ({"reduction": "project", "dim": 4, "kind": "sparse"}, "unknown kind 'sparse'"),
+        ({"reduction": "project", "dim": 4, "projection": "sparse"}, "unknown projection 'sparse'"),
         ({"reduction": "dot", "reference": {}}, "missing ['hidden/bias'"),
         ({"variables": ["nope"]}, "variables: unknown ['nope']"),
     ],
