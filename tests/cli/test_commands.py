@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient
+from pergrad.server.config import Config
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
 from tests.helpers import assert_close, spawn_server, stop_server
@@ -52,6 +54,8 @@ def test_info_describes_the_served_model(served) -> None:
     assert run.returncode == 0, run.stderr
     assert "mnist_mlp  version 1  101,770 parameters" in run.stdout
     assert "var     hidden/kernel  float32 [784, 128]" in run.stdout
+    assert re.search(r"plan    [0-9a-f]{12}  XLA (on|off); slices of \d+ examples", run.stdout)
+    assert f"limits  max_batch {Config().max_batch}  max_request_bytes" in run.stdout
 
 
 def test_grads_writes_per_example_gradients_of_a_dataset(served, tmp_path: Path) -> None:
