@@ -177,8 +177,10 @@ def test_stream_the_client_cancels_is_handled_as_cancelled(probe) -> None:
 def test_deadline_that_expires_mid_stream_is_handled_as_deadline_exceeded(probe) -> None:
     channel, metrics = probe
     delta = _Delta(metrics, "ServerStream", "server_stream")
+    call = channel.unary_stream(f"/{SERVICE}/ServerStream")(b"forever", timeout=3)
+    next(call)  # the handler runs: the deadline passes mid-stream, not while it queues
     with pytest.raises(grpc.RpcError) as err:
-        list(channel.unary_stream(f"/{SERVICE}/ServerStream")(b"forever", timeout=0.3))
+        list(call)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert delta.wait_for("DEADLINE_EXCEEDED")["DEADLINE_EXCEEDED"] == 1.0
 
