@@ -42,6 +42,7 @@ from pergrad.server.handlers import (
     refusal,
     replaced,
 )
+from pergrad.server.interceptors import ended_by_client
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
@@ -225,9 +226,7 @@ class CallGuard(grpc.ServerInterceptor):
             more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
         except grpc.RpcError:
             # Stalled and cancelled, or ended by its client: counted as such, not UNKNOWN.
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            code = ended_by_client(context)
             context.abort(code, "the call ended while its request was awaited")
         if request is _NOTHING or more:
             many = "none" if request is _NOTHING else "more than one"

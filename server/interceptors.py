@@ -17,10 +17,16 @@ from pergrad.server.handlers import behavior_of, declared_kind_of, replaced
 from pergrad.server.metrics import RpcLabels, ServerMetrics
 from pergrad.wire.rpc import split_method
 
+# The client cancels at its own deadline, which the server's copy of it trails by the time
+# the call took to arrive; a call ended that close to its deadline ended by it.
+DEADLINE_SLACK_S = 1.0
 
-def _ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
+
+def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """DEADLINE_EXCEEDED for a call ended (by its client's side) at its deadline, else
+    CANCELLED."""
     remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.CANCELLED
 
@@ -39,14 +45,14 @@ def final_code(
     """The status a call ends with, given the exception its handler raised (or None);
     `ended`: asked once the call has ended (so it is no longer active either way)."""
     if ended and _cancelled(context):
-        return _ended_by_client(context)
+        return ended_by_client(context)
     code = context.code()
     if isinstance(code, grpc.StatusCode):
         return code
     if error is not None and not isinstance(error, GeneratorExit):
         return grpc.StatusCode.UNKNOWN
     if isinstance(error, GeneratorExit) or (not ended and not context.is_active()):
-        return _ended_by_client(context)
+        return ended_by_client(context)
     return grpc.StatusCode.OK
 
 

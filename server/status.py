@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.interceptors import ended_by_client
 from pergrad.server.metrics import ServerMetrics
 from pergrad.wire.casting import CastError
 from pergrad.wire.catalogue import OptionError
@@ -66,9 +67,7 @@ def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics
         # The client cancelled, its deadline passed, or a stall was cancelled: the call
         # ends as such, not as a server error (aborting marks it handled, so gRPC logs
         # nothing), and nobody is left to read the message.
-        remaining = context.time_remaining()
-        expired = remaining is not None and remaining <= 0
-        code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        code = ended_by_client(context)
         _LOGGER.debug("call ended by its client (%s): %s", code.name, type(err).__name__)
         context.abort(code, "the call ended on the client's side")
     if isinstance(err, PergradServerError):
