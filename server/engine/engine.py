@@ -15,6 +15,7 @@ admission), `compute` and `blocks` work on such a `Batch`; `per_example_gradient
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import re
@@ -153,13 +154,13 @@ class Engine:
         """The first (for most models, the only) input."""
         return self.input_specs[0]
 
-    @property
+    @functools.cached_property  # fixed once the pass is chosen, at load; every result reads it
     def plan_text(self) -> str:
         """What decides this engine's bits: XLA or not, the slice size, each layer's route."""
         xla = "on" if self._pass.xla else "off"
         return f"XLA {xla}; slices of {self.slice_size} examples; {self.plan.describe()}"
 
-    @property
+    @functools.cached_property
     def plan_id(self) -> str:
         """A short fingerprint of `plan_text`: equal on replicas that compute the same bits."""
         return hashlib.blake2b(self.plan_text.encode(), digest_size=6).hexdigest()
