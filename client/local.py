@@ -13,9 +13,13 @@ import re
 import subprocess
 import sys
 import threading
+from collections import deque
 from types import TracebackType
 
 READY = re.compile(r"pergrad ready on (\S+:\d+)")
+# The server drains for --grace (10 s by default) and exits within 20 s after it.
+STOP_TIMEOUT_S = 60.0
+LOG_TAIL = 1000
 
 
 class LocalServer:
@@ -40,21 +44,38 @@ class LocalServer:
             stderr=subprocess.PIPE,
             text=True,
         )
-        log: list[str] = []
+        self.log: deque[str] = deque(maxlen=LOG_TAIL)
         for line in self.process.stderr:
             if match := READY.search(line):
                 self.target = match.group(1)
-                threading.Thread(target=self.process.stderr.read, daemon=True).start()
+                self._reader = threading.Thread(
+                    target=self.log.extend, args=(self.process.stderr,), daemon=True
+                )
+                self._reader.start()
                 return
-            log.append(line)
+            self.log.append(line)
         status = self.process.wait()
-        raise RuntimeError(f"pergrad serve exited with {status}:\n{''.join(log[-5:])}")
+        raise RuntimeError(f"pergrad serve exited with {status}:\n{''.join(list(self.log)[-5:])}")
 
     def stop(self, *, graceful: bool = True) -> int:
-        """SIGTERM (drain, then exit) or SIGKILL; returns the exit status."""
-        if self.process.poll() is None:
-            (self.process.terminate if graceful else self.process.kill)()
-        return self.process.wait(timeout=60)
+        """SIGTERM (drain, then exit) or SIGKILL; returns the exit status. A server that
+        does not exit 0 after SIGTERM raises, with the end of its log (a stop that hangs
+        prints every thread's stack there, `pergrad.server.main.STOP_SLACK_S`)."""
+        if self.process.poll() is not None:
+            return self.process.returncode
+        (self.process.terminate if graceful else self.process.kill)()
+        try:
+            status = self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            status = self.process.wait()
+        if graceful and status != 0:
+            self._reader.join(timeout=5)  # the log's last lines
+            raise RuntimeError(
+                f"pergrad serve exited with {status} after SIGTERM; its log ends:\n"
+                + "".join(self.log)
+            )
+        return status
 
     def __enter__(self) -> LocalServer:
         return self

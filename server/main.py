@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
@@ -36,6 +37,9 @@ OPEN_STREAMS = 2
 # Health Watch streams open at once (they hold no thread, only a place among the calls
 # gRPC admits); more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
 WATCH_STREAMS = 16
+# A stop still under way this long after its grace ends prints every thread's stack and
+# exits 1: a server told to stop never hangs, and a hang leaves its cause in the log.
+STOP_SLACK_S = 20.0
 
 
 def configure_devices() -> None:
@@ -201,6 +205,7 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     stopping.wait()
     _LOGGER.info("draining for up to %.1f s", config.grace_s)
+    faulthandler.dump_traceback_later(config.grace_s + STOP_SLACK_S, exit=True)
     running.stop(config.grace_s)
     _LOGGER.info("stopped")
     return 0
