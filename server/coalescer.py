@@ -3,10 +3,12 @@
 Most of a shared server's requests are small (a DP trainer's batch of 64, an influence
 job's few hundred), and each engine pass has a fixed cost. Like an inference server's
 dynamic batcher, each model's `Coalescer` has one thread that takes the first request
-waiting, gathers those arriving within `window_s` (or until a pass is full), and runs
-them together with `pergrad.server.engine.group.compute_group`, one group per weights
-snapshot. Every request of at most `granule` examples takes this path, alone or not, so
-its result is the same to the bit whatever shares its pass.
+waiting, gathers those arriving within `window_s` (0 by default: those already waiting,
+so a lone request waits for nothing and those arriving during a pass share the next),
+and runs them together with `pergrad.server.engine.group.compute_group`, one group per
+weights snapshot, in passes sized to what they hold (`group.same_bits_sizes`). Every
+request of at most `granule` examples takes this path, alone or not, so its result is
+the same to the bit whatever shares its pass.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, compute_group, packs
+from pergrad.server.engine.group import Job, compute_group, packs, same_bits_sizes
 from pergrad.server.weights import Snapshot
 from pergrad.wire.results import GradientResult
 
@@ -54,6 +56,14 @@ class Coalescer:
         name: str = "",
     ) -> None:
         self.granule = granule
+        self.sizes = same_bits_sizes(engine, granule)
+        _LOGGER.info(
+            "model %s: shared passes of %s examples (those whose rows match a pass of %d "
+            "to the bit)",
+            name,
+            ", ".join(map(str, self.sizes)),
+            granule,
+        )
         self._engine = engine
         self._window_s = window_s
         self._on_pass = on_pass
@@ -107,7 +117,11 @@ class Coalescer:
         jobs = [p.job for p in group]
         try:
             outcomes = compute_group(
-                self._engine, jobs, granule=self.granule, trainable=group[0].snapshot.trainable
+                self._engine,
+                jobs,
+                granule=self.granule,
+                sizes=self.sizes,
+                trainable=group[0].snapshot.trainable,
             )
         except Exception as err:  # never lose the thread: every caller gets the error
             _LOGGER.exception("coalesced pass failed")

@@ -41,7 +41,7 @@ class Config:
     max_queued_calls: int = 32
     max_streams: int = 4
     stall_timeout_s: float = 60.0
-    batch_window_ms: float = 2.0
+    batch_window_ms: float = 0.0
     max_coalesced_batch: int = 128
     grace_s: float = 10.0
     jit_compile: str = "auto"
@@ -196,7 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-window-ms",
         default=_env("BATCH_WINDOW_MS", d.batch_window_ms),
-        help="milliseconds a small request waits for others to share its pass",
+        help="milliseconds a shared pass waits for more requests before it starts (0: it "
+        "takes those already waiting, so a lone request waits for nothing)",
     )
     parser.add_argument(
         "--max-coalesced-batch",

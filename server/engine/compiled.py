@@ -47,6 +47,24 @@ _PROBE_BATCH = 128
 Inputs = tuple[np.ndarray, ...]
 
 
+class FlatCall:
+    """A tf.function of fixed input signature, called as its one concrete function with
+    flat tensors. Calling the tf.function itself binds and casts every argument against
+    the signature on each call: 3.3 of 3.8 ms of a norms pass of mnist_mlp at B=8 here,
+    against 0.5 ms this way. (`_call_flat` is TensorFlow's own call path beneath
+    `ConcreteFunction.__call__`, the same in TF 2.20 and 2.21, which pyproject allows.)"""
+
+    def __init__(self, function: Any) -> None:
+        self._concrete = function.get_concrete_function()
+
+    def __call__(self, *args: Any) -> Any:
+        flat = [
+            a if isinstance(a, tf.Tensor) else tf.constant(a)
+            for a in tf.nest.flatten(args)
+        ]
+        return self._concrete._call_flat(flat, self._concrete.captured_inputs)
+
+
 def bucket(count: int, cap: int) -> int:
     """The padded size for a slice of `count` examples: a power of two, at most `cap`."""
     return min(cap, 1 << (count - 1).bit_length())
@@ -82,19 +100,19 @@ class CompiledPass:
         self._auto = jit_compile == "auto"
         self.slice_cap = 1
         self.choice = "XLA on" if jit_compile is True else "XLA off"
-        self._functions: dict[tuple[bool, int | None, InPass | None], Any] = {}
+        self._functions: dict[tuple[bool, int | None, InPass | None], FlatCall] = {}
         self._use(jit_compile is True)
 
     def _use(self, xla: bool) -> None:
         self.xla = xla
         self._static = xla or self._vectorized
 
-    def _function(self, size: int, in_pass: InPass | None = None) -> Any:
+    def _function(self, size: int, in_pass: InPass | None = None) -> FlatCall:
         """The compiled function for a slice of `size` examples (one for all if not
         static), returning gradients or, with `in_pass`, that reduction's outputs."""
         key = (self.xla, size if self._static else None, in_pass)
         if key not in self._functions:
-            self._functions[key] = self._build(*key)
+            self._functions[key] = FlatCall(self._build(*key))
         return self._functions[key]
 
     def _padded(self, xs: Inputs, y: np.ndarray) -> tuple[Inputs, np.ndarray]:

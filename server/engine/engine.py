@@ -196,7 +196,7 @@ class Engine:
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
         """The model's own trainable values, as immutable tensors."""
-        return tuple(tf.identity(v.value) for v in self.model.trainable_variables)
+        return tuple(tf.convert_to_tensor(v.value) for v in self.model.trainable_variables)
 
     def weights(self, trainable: Sequence[tf.Tensor] | None) -> tuple[tf.Tensor, ...]:
         """`trainable` (a snapshot's), or the model's own values."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, compute_group, packs
+from pergrad.server.engine.group import Job, compute_group, packs, pass_size, same_bits_sizes
 from pergrad.server.errors import Cancelled
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
@@ -71,3 +71,20 @@ def test_shared_clipped_sums_straddling_the_bound_match_the_oracle(engine: Engin
     want = oracle.clipped_sum(grads, max_norm)
     for name, value in want.items():
         np.testing.assert_allclose(result.clipped_sum[name], value, rtol=2e-5, atol=1e-6)
+
+
+def test_a_pass_takes_the_smallest_allowed_size_that_holds_its_rows() -> None:
+    sizes = (4, 8, 32)
+    assert [pass_size(rows, sizes) for rows in (1, 4, 5, 9, 32)] == [4, 4, 8, 32, 32]
+
+
+def test_a_lone_job_in_a_small_pass_equals_itself_in_a_full_one_to_the_bit(engine) -> None:
+    sizes = same_bits_sizes(engine, GRANULE)
+    assert sizes[-1] == GRANULE and list(sizes) == sorted(set(sizes))
+    lone = compute_group(
+        engine, [_job(engine, 3, 1, reduction="norms")], granule=GRANULE, sizes=sizes
+    )
+    neighbours = [_job(engine, 20, 2), _job(engine, 3, 1, reduction="norms"), _job(engine, 9, 3)]
+    shared = compute_group(engine, neighbours, granule=GRANULE, sizes=sizes)[1]
+    np.testing.assert_array_equal(shared.losses, lone[0].losses)
+    np.testing.assert_array_equal(shared.norms, lone[0].norms)
