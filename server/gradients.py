@@ -17,6 +17,7 @@ from pergrad.server.admission import Admission
 from pergrad.server.coalescer import Coalescer
 from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
+from pergrad.server.engine.sinks import Sink
 from pergrad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
@@ -156,25 +157,23 @@ def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeade
     )
 
 
+def _sink(work: Work) -> Sink:
+    """The request's sink; its options were checked as the request was parsed."""
+    asked = work.asked
+    return work.served.engine.checked_sink(
+        work.batch.size, asked.reduction, asked.options, variables=asked.variables
+    )
+
+
 def _alone(work: Work, cancelled: Callable[[], bool]) -> GradientResult:
-    return work.served.engine.compute(
-        work.batch,
-        reduction=work.asked.reduction.name,
-        variables=work.asked.variables,
-        trainable=work.snapshot.trainable,
-        cancelled=cancelled,
-        **work.asked.options,
+    engine = work.served.engine
+    return engine.run(
+        work.batch, _sink(work), trainable=work.snapshot.trainable, cancelled=cancelled
     )
 
 
 def _shared(work: Work, coalescer: Coalescer, cancelled: Callable[[], bool]) -> GradientResult:
-    sink = work.served.engine.sink(
-        work.batch.size,
-        reduction=work.asked.reduction.name,
-        variables=work.asked.variables,
-        **work.asked.options,
-    )
-    return coalescer.compute(Job(work.batch, sink, cancelled), work.snapshot)
+    return coalescer.compute(Job(work.batch, _sink(work), cancelled), work.snapshot)
 
 
 def _finite(arrays: Sequence[np.ndarray]) -> None:

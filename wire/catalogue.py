@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pergrad.wire.terms import Option, OptionError, Output, Reduction, Rows
+from pergrad.wire.terms import CheckedOptions, Option, OptionError, Output, Reduction, Rows
 
 __all__ = [
     "CATALOGUE",
@@ -28,6 +28,7 @@ __all__ = [
     "LOSSES",
     "NONE",
     "Catalogue",
+    "CheckedOptions",
     "Option",
     "OptionError",
     "Output",
@@ -197,8 +198,11 @@ class Catalogue:
             known = ", ".join(self.reductions)
             raise OptionError(f"reduction: unknown {name!r}; known: {known}") from None
 
-    def check_options(self, reduction: Reduction, options: Mapping[str, Any]) -> dict[str, Any]:
-        """`reduction.check_options`; an option of other reductions is named as theirs."""
+    def check_options(self, reduction: Reduction, options: Mapping[str, Any]) -> CheckedOptions:
+        """`reduction.check_options`; an option of other reductions is named as theirs.
+        Options this reduction checked already pass as they are."""
+        if isinstance(options, CheckedOptions) and options.reduction == reduction.name:
+            return options
         try:
             return reduction.check_options(options)
         except OptionError as err:

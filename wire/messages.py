@@ -16,7 +16,14 @@ import numpy as np
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.casting import cast
-from pergrad.wire.catalogue import CATALOGUE, Catalogue, Option, OptionError, Reduction
+from pergrad.wire.catalogue import (
+    CATALOGUE,
+    Catalogue,
+    CheckedOptions,
+    Option,
+    OptionError,
+    Reduction,
+)
 from pergrad.wire.codec import CodecError, decode_tensor, encode_tensor, wire_dtype
 from pergrad.wire.results import GradientResult
 
@@ -29,7 +36,7 @@ class Asked:
 
     reduction: Reduction
     variables: list[str] | None
-    options: dict[str, Any]
+    options: CheckedOptions
 
 
 def _enum_number(option: Option, choice: str) -> int:

@@ -18,6 +18,15 @@ class OptionError(ValueError):
     """An option value the reduction cannot take; the message names the option."""
 
 
+class CheckedOptions(dict):
+    """A reduction's options checked by `Reduction.check_options`, defaults filled in:
+    what every stage after the edge that received them takes without checking again."""
+
+    def __init__(self, reduction: str, values: Mapping[str, Any]) -> None:
+        super().__init__(values)
+        self.reduction = reduction
+
+
 @dataclass(frozen=True)
 class Option:
     """One keyword of a reduction, and the GradientsRequest field that carries it.
@@ -144,7 +153,7 @@ class Reduction:
     def option_names(self) -> list[str]:
         return [o.name for o in self.options]
 
-    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+    def check_options(self, options: Mapping[str, Any]) -> CheckedOptions:
         """Every option checked, defaults filled in; OptionError names the first fault.
         (`Catalogue.check_options` also says which reductions take an unknown option.)"""
         unknown = sorted(set(options) - set(self.option_names))
@@ -162,4 +171,4 @@ class Reduction:
                 checked[option.name] = option.default
             else:
                 checked[option.name] = option.check(value, self.name)
-        return checked
+        return CheckedOptions(self.name, checked)

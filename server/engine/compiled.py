@@ -58,10 +58,7 @@ class FlatCall:
         self._concrete = function.get_concrete_function()
 
     def __call__(self, *args: Any) -> Any:
-        flat = [
-            a if isinstance(a, tf.Tensor) else tf.constant(a)
-            for a in tf.nest.flatten(args)
-        ]
+        flat = [a if isinstance(a, tf.Tensor) else tf.constant(a) for a in tf.nest.flatten(args)]
         return self._concrete._call_flat(flat, self._concrete.captured_inputs)
 
 

@@ -27,18 +27,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pergrad.server.engine import reductions
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
 from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import make_plan
+from pergrad.server.engine.reductions import ReductionRegistry, default_reductions
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.server.engine.sinks import FullGradients, Reduced, Sink
 from pergrad.server.engine.vectorized import model_inputs
 from pergrad.server.errors import Cancelled, InvalidArgument
-from pergrad.wire.catalogue import CATALOGUE, NONE, OptionError
+from pergrad.wire.catalogue import CATALOGUE, NONE, CheckedOptions, OptionError, Reduction
 from pergrad.wire.results import GradientResult
 
 _LOGGER = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class Engine:
             a dict of inputs: batches then give one array per input, by name or in order).
         loss: a Keras loss object, name or config; the per-example loss is it unreduced.
         registry: per-layer rules (default: `rules.default_registry()`).
+        reductions: the reductions' classes (default: `reductions.default_reductions()`).
         slice_bytes: per-example tensors TensorFlow may hold at once; bounds peak memory.
         jit_compile: True or False forces XLA on or off; "auto" measures both once.
     """
@@ -118,6 +119,7 @@ class Engine:
         *,
         loss: Any = None,
         registry: LayerRegistry | None = None,
+        reductions: ReductionRegistry | None = None,
         slice_bytes: int = DEFAULT_SLICE_BYTES,
         jit_compile: JitCompile = "auto",
     ) -> None:
@@ -125,6 +127,7 @@ class Engine:
         if loss is None:
             raise ValueError(f"model {model.name!r} has no compiled loss; pass loss=")
         self.model = model
+        self.reductions = reductions or default_reductions()
         self.loss = PerExampleLoss(loss)
         model_output = _single(model.outputs, "output", model)
         self.input_specs = input_specs(model)
@@ -265,19 +268,32 @@ class Engine:
         out: GradientResult | None = None,
         **options: Any,
     ) -> Sink:
-        """Where the results of a request of `size` examples go, its options checked."""
+        """Where the results of a request of `size` examples go, its options checked here:
+        the engine is the edge that receives them in-process."""
         try:
             entry = CATALOGUE.get(reduction)
             checked = CATALOGUE.check_options(entry, options)
         except OptionError as err:
             raise InvalidArgument(str(err)) from None
+        return self.checked_sink(size, entry, checked, variables=variables, out=out)
+
+    def checked_sink(
+        self,
+        size: int,
+        reduction: Reduction,
+        options: CheckedOptions,
+        *,
+        variables: Sequence[str] | None = None,
+        out: GradientResult | None = None,
+    ) -> Sink:
+        """`sink` for options checked where they arrived (the server's request parser)."""
         selected = self.select(variables)
         name = self.model.name
-        if entry.name == NONE:
+        if reduction.name == NONE:
             return FullGradients(
-                size, selected, self.loss_dtype, name, out=out, wire_dtype=checked["wire_dtype"]
+                size, selected, self.loss_dtype, name, out=out, wire_dtype=options["wire_dtype"]
             )
-        reduce = reductions.make_reduction(entry.name, selected, checked)
+        reduce = self.reductions.make(reduction.name, selected, options)
         return Reduced(size, selected, reduce, self.loss_dtype, name)
 
     def compute(
@@ -300,6 +316,18 @@ class Engine:
         stops with `Cancelled`.
         """
         sink = self.sink(batch.size, **request)
+        return self.run(batch, sink, trainable=trainable, cancelled=cancelled)
+
+    def run(
+        self,
+        batch: Batch,
+        sink: Sink,
+        *,
+        trainable: Sequence[tf.Tensor] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> GradientResult:
+        """`batch`'s passes fed to `sink` (in the pass itself where the sink can); its
+        result. `compute` with the sink made already."""
         if sink.in_pass is None:
             for part in self.slices(batch, trainable):
                 _stop_if(cancelled, part.start, batch.size)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, Outer, Scatter
+from pergrad.server.engine.reductions.clipped_sum import clip_factors
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def reduce(
     if not spec.clip:
         return {"squares": squares}
     norms = tf.sqrt(tf.reduce_sum(squares, 0))
-    scale = tf.minimum(1.0, max_norm / tf.maximum(norms, 1e-30)) * rows
+    scale = clip_factors(norms, max_norm, ops=tf.math) * rows
     sums = [
         tf.zeros(shapes[i]) if grads[i] is None else weighted_sum(grads[i], scale, shapes[i])
         for i in spec.positions

@@ -94,7 +94,9 @@ class Reduced:
 
     @property
     def max_norm(self) -> float:
-        return self._reduction.max_norm
+        """The in-pass function's clip bound: the reduction's, or 0 where it only norms."""
+        in_pass = self.in_pass
+        return self._reduction.max_norm if in_pass is not None and in_pass.clip else 0.0
 
     def add_in_pass(self, start: int, losses: np.ndarray, outputs: dict) -> None:
         """Rows [start, start + len(losses)): losses and the `in_pass` outputs (`squares`

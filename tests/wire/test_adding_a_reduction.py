@@ -2,9 +2,10 @@
 
 Here all three are the test's own (a proto3 enum is open, so an unnamed value travels, and
 the new option rides in an existing double field, as a new reduction's option would in
-a field of its own), and everything else, the client, its micro-batch merging and result
-type, the server's parsing, pricing and metrics, and the CLI's flags and files, takes it
-as it is.
+a field of its own; the engine class joins the default registry, as a module of
+`pergrad.server.engine.reductions` would), and everything else, the client, its
+micro-batch merging and result type, the server's parsing, pricing and metrics, and the
+CLI's flags and files, takes it as it is.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ import pytest
 
 from pergrad.cli import main as cli
 from pergrad.client import GradientClient
-from pergrad.server.engine import reductions
+from pergrad.server.engine import Engine
+from pergrad.server.engine.reductions import default_reductions
 from pergrad.server.engine.reductions.norms import squared
 from pergrad.server.main import RunningServer, start
+from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.server.models.registry import ModelRegistry, ServedModel
+from pergrad.server.weights import WeightsStore
 from pergrad.wire.catalogue import CATALOGUE, Option, Output, Reduction
 from tests.helpers import batch_for, loopback_config
 from tests.prometheus import scrape
@@ -50,10 +55,15 @@ class ScaledSquares:
 
 
 @pytest.fixture(scope="module")
-def extended_server(model_dir: Path) -> Iterator[RunningServer]:
-    with CATALOGUE.extended(SCALED), pytest.MonkeyPatch.context() as patch:
-        patch.setitem(reductions.REGISTERED, SCALED.name, ScaledSquares)
-        running = start(loopback_config("mnist_mlp", model_dir=model_dir))
+def extended_server() -> Iterator[RunningServer]:
+    classes = default_reductions()
+    classes.register(SCALED.name, ScaledSquares)
+    engine = Engine(BUILTIN_MODELS["mnist_mlp"](), loss=LOSS, jit_compile=False, reductions=classes)
+    served = ServedModel(
+        "mnist_mlp", engine, WeightsStore(engine.variables, engine.initial_weights())
+    )
+    with CATALOGUE.extended(SCALED):
+        running = start(loopback_config("mnist_mlp"), ModelRegistry([served]))
         yield running
         running.stop(0)
 

@@ -86,3 +86,10 @@ def test_defaults_are_filled_in() -> None:
     assert checked == {"dim": 8, "seed": None, "projection": "rademacher"}
     checked = CATALOGUE.check_options(CATALOGUE.get("clipped_sum"), {"max_norm": 2})
     assert checked == {"max_norm": 2.0, "noise_multiplier": 0.0, "seed": None}
+
+
+def test_options_checked_once_pass_the_catalogue_as_they_are() -> None:
+    entry = CATALOGUE.get("clipped_sum")
+    checked = CATALOGUE.check_options(entry, {"max_norm": 2})
+    assert CATALOGUE.check_options(entry, checked) is checked
+    assert CATALOGUE.check_options(CATALOGUE.get("norms"), {}) is not checked

@@ -10,13 +10,15 @@ A reduction sees the selected variables' per-example gradients slice by slice
     dot          dots [B, K] against K reference gradients               (TracIn)
     project      projections [B, dim], a seeded random projection        (TRAK)
 
-Each lives in the module named after it, whose `REDUCTION` is the class; a new one is
-found by its name, with no list to edit here.
+Each lives in the module named after it, whose `REDUCTION` is the class:
+`default_reductions()` registers every such module of this package, and an `Engine`
+takes that registry or another (`Engine(reductions=...)`), as it takes its layer rules.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -41,19 +43,34 @@ class Reduction(Protocol):
 
 
 Maker = Callable[..., Reduction]
-# Reductions registered without a module of their own (tests).
-REGISTERED: dict[str, Maker] = {}
 
 
-def implementation(name: str) -> Maker:
-    """The class of the reduction named `name`: registered, or `<name>.REDUCTION`."""
-    if name in REGISTERED:
-        return REGISTERED[name]
-    return importlib.import_module(f"{__name__}.{name}").REDUCTION
+class ReductionRegistry:
+    """Reduction name (as the catalogue names it) -> the class that computes it."""
+
+    def __init__(self, makers: Mapping[str, Maker] | None = None) -> None:
+        self._makers = dict(makers or {})
+
+    def register(self, name: str, maker: Maker) -> None:
+        self._makers[name] = maker
+
+    def names(self) -> list[str]:
+        return sorted(self._makers)
+
+    def make(
+        self, name: str, variables: Sequence[Selected], options: Mapping[str, Any]
+    ) -> Reduction:
+        """A reduction over `variables` with `options` the catalogue checked."""
+        if name not in self._makers:
+            raise KeyError(f"no engine class for reduction {name!r}; known: {self.names()}")
+        return self._makers[name](variables, **options)
 
 
-def make_reduction(
-    name: str, variables: Sequence[Selected], options: Mapping[str, Any]
-) -> Reduction:
-    """A reduction over `variables` with `options` the catalogue checked."""
-    return implementation(name)(variables, **options)
+def default_reductions() -> ReductionRegistry:
+    """Every module of this package that declares a `REDUCTION`, under its module name."""
+    registry = ReductionRegistry()
+    for module in pkgutil.iter_modules(__path__):
+        maker = getattr(importlib.import_module(f"{__name__}.{module.name}"), "REDUCTION", None)
+        if maker is not None:
+            registry.register(module.name, maker)
+    return registry

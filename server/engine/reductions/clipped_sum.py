@@ -25,6 +25,14 @@ from pergrad.server.engine.reductions.random_streams import gaussian, secure_gau
 from pergrad.server.errors import InvalidArgument
 
 NOISE_STREAM = 2
+# Norms below this count as this, so a zero gradient is scaled by 1, never by inf or NaN.
+TINY_NORM = 1e-30
+
+
+def clip_factors(norms: Any, max_norm: Any, ops: Any = np) -> Any:
+    """min(1, max_norm / ||g_b||) for each example: the one clip formula, on numpy arrays
+    (shared passes), or with `ops=tf.math` on tensors inside the pass (`in_pass`)."""
+    return ops.minimum(1.0, max_norm / ops.maximum(norms, TINY_NORM))
 
 
 class ClippedSum:
@@ -52,7 +60,7 @@ class ClippedSum:
 
     def add(self, grads: Mapping[str, Grad]) -> None:
         norms = np.sqrt(sum(squared(self._variables, grads).values()))
-        scale = np.minimum(1.0, self.max_norm / np.maximum(norms, 1e-30))
+        scale = clip_factors(norms, self.max_norm)
         for v in self._variables:
             self._sums[v.name] += weighted_sum(grads[v.name], scale, v.shape)
         self._norms.append(norms)

@@ -22,7 +22,6 @@ def squared(variables: Sequence[Selected], grads: Mapping[str, Grad]) -> dict[st
 
 class Norms:
     IN_PASS_CLIP = False
-    max_norm = 0.0  # the in-pass function's argument, unused by norms
 
     def __init__(self, variables: Sequence[Selected]) -> None:
         self._variables = variables

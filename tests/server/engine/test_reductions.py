@@ -12,8 +12,10 @@ from scipy.stats import chi2
 
 from pergrad.server.engine import Engine
 from pergrad.server.engine.group import Job, compute_group
+from pergrad.server.engine.reductions import ReductionRegistry, default_reductions
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.wire.catalogue import CATALOGUE, NONE
 from tests import oracle, spec_random
 from tests.helpers import assert_close, batch_for, tabular_model
 
@@ -359,3 +361,14 @@ def test_conv_norms_and_clipped_sums_by_either_algebra_match_oracle(route: str) 
     assert_close({"norms": result.norms}, {"norms": norms})
     assert_close(result.clipped_sum, oracle.clipped_sum(grads, max_norm))
     assert result.num_clipped == int(np.sum(norms > max_norm))
+
+
+def test_the_default_registry_computes_every_catalogued_reduction() -> None:
+    assert default_reductions().names() == sorted(set(CATALOGUE.names) - {NONE})
+
+
+def test_an_engine_computes_only_the_reductions_of_its_registry() -> None:
+    engine = Engine(tabular_model(), jit_compile=False, reductions=ReductionRegistry({}))
+    x, y = batch_for((12,), 5, 2)
+    with pytest.raises(KeyError, match="no engine class for reduction 'norms'"):
+        engine.per_example_gradients(x, y, reduction="norms")
