@@ -10,7 +10,8 @@ for readers of the wire contract; tests hold the two together.
 
 The terms the entries are written in (`Option`, `Output`, `Reduction`, `OptionError`)
 are defined in `pergrad.wire.terms` and re-exported here: import them from this module.
-No protobuf and no numpy arrays here: values are plain Python, checked by `Option.check`.
+No protobuf here: values are plain Python (a tensors option's, float32 numpy arrays),
+checked by `Option.check`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import numpy as np
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.casting import cast
 from pergrad.wire.catalogue import (
     CATALOGUE,
     Catalogue,
@@ -106,25 +105,14 @@ def _is_set(request: pb.GradientsRequest, field: str) -> bool:
 
 def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
     value = getattr(request, option.field)
-    if option.kind == "tensors":
+    if option.kind == "tensors":  # cast and checked by the catalogue, as in-process
         return {
-            name: _float32_tensor(tensor, f"{option.field}[{name!r}]")
+            name: decode_tensor(tensor, what=f"{option.field}[{name!r}]")
             for name, tensor in value.items()
         }
     if option.kind == "choice":
         return _enum_choice(option, value)
     return value
-
-
-def _float32_tensor(tensor: tensor_pb2.Tensor, what: str) -> np.ndarray:
-    """A tensors option's array, checked as inputs are: float32 (cast from another float
-    type within its range, or from an integer type), of rank >= 1, every value finite."""
-    array = cast(decode_tensor(tensor, what=what), np.float32, what=what)
-    if array.ndim == 0:
-        raise OptionError(f"{what}: a [K, *shape] tensor, got a scalar")
-    if not np.isfinite(array).all():
-        raise OptionError(f"{what}: holds NaN or infinity")
-    return array
 
 
 def parse_request(request: pb.GradientsRequest, catalogue: Catalogue = CATALOGUE) -> Asked:

@@ -13,6 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
+from pergrad.wire.casting import CastError, cast
+
 
 class OptionError(ValueError):
     """An option value the reduction cannot take; the message names the option."""
@@ -86,7 +90,10 @@ class Option:
         if self.kind == "tensors":
             if not isinstance(value, Mapping):
                 raise OptionError(f"{self.name}: {reduction} needs {self.needs}")
-            return value
+            return {
+                name: _finite_float32(array, f"{self.field}[{name!r}]")
+                for name, array in value.items()
+            }
         number = self._number(value, reduction)
         low, high = self.minimum, self.maximum
         below = low is not None and (number <= low if self.exclusive_minimum else number < low)
@@ -107,6 +114,20 @@ class Option:
             raise OptionError(
                 f"{self.name}: {reduction} needs {self.needs}, got {value!r}"
             ) from None
+
+
+def _finite_float32(value: Any, what: str) -> np.ndarray:
+    """A tensors option's array, checked as inputs are: float32 (cast from another float
+    type within its range, or from an integer type), of rank >= 1, every value finite."""
+    try:
+        array = cast(value, np.float32, what=what)
+    except CastError as err:
+        raise OptionError(str(err)) from None
+    if array.ndim == 0:
+        raise OptionError(f"{what}: a [K, *shape] tensor, got a scalar")
+    if not np.isfinite(array).all():
+        raise OptionError(f"{what}: holds NaN or infinity")
+    return array
 
 
 def _text(number: float) -> str:

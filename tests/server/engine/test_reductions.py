@@ -3,6 +3,7 @@ the engine's own, and the Keras-only oracle's (tests/oracle.py) where it matters
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import keras
@@ -372,3 +373,23 @@ def test_an_engine_computes_only_the_reductions_of_its_registry() -> None:
     x, y = batch_for((12,), 5, 2)
     with pytest.raises(KeyError, match="no engine class for reduction 'norms'"):
         engine.per_example_gradients(x, y, reduction="norms")
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        (np.full((1, 5), np.nan), "holds NaN or infinity"),
+        (np.full((1, 5), 1e39), "values outside the range of float32"),
+        (np.float64(1.0), "a [K, *shape] tensor, got a scalar"),
+    ],
+    ids=["nan", "beyond_float32", "scalar"],
+)
+def test_in_process_dot_references_are_checked_as_the_wire_checks_them(
+    reference: Any, message: str
+) -> None:
+    engine = Engine(tabular_model(), jit_compile=False)
+    x, y = batch_for((12,), 5, 2)
+    with pytest.raises(InvalidArgument, match=re.escape(f"reference['head/bias']: {message}")):
+        engine.per_example_gradients(
+            x, y, reduction="dot", variables=["head/bias"], reference={"head/bias": reference}
+        )
