@@ -73,6 +73,8 @@ def read_results(
                 check_header(header, expect(request_id))
                 into = _arrays_of(out, header) if out is not None else None
                 assembler = TensorAssembler([o.tensor for o in header.outputs], into=into)
+                if header.data:
+                    assembler.add_inline(header.data)
             elif assembler is None or part.chunk is None or part.request_id != request_id:
                 raise CodecError("chunk without a header for its request")
             else:

@@ -3,7 +3,8 @@
 The request is parsed and its batch checked once, before admission; admission prices
 what the result will hold (`expected_outputs`, by the catalogue); then full gradients
 stream block by block while the next block computes, reductions are computed whole and
-then chunked, and small requests share passes with others (`pergrad.server.coalescer`).
+then chunked (or, at most one chunk asked `inline_result`, sent in the header), and small
+requests share passes with others (`pergrad.server.coalescer`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pergrad.v1 import tensor_pb2
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import NONE
 from pergrad.wire.chunks import RawChunk, encode_chunk
-from pergrad.wire.codec import decode_tensor, iter_raw_chunks
+from pergrad.wire.codec import decode_tensor, iter_raw_chunks, wire_bytes
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 
@@ -52,6 +53,7 @@ class Work:
     batch: Batch
     snapshot: Snapshot
     outputs: list[tuple[ExpectedOutput, np.dtype]]
+    inline: bool = False  # the request takes a small result in its header
 
     @property
     def result_bytes(self) -> int:
@@ -104,7 +106,7 @@ def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Setting
     variables = {v.name: v.dtype for v in selected}
     wire = asked.options.get("wire_dtype")
     outputs = [(e, _dtype(e, variables, wire, engine.loss_dtype)) for e in expected]
-    return Work(served, asked, batch, snapshot, outputs)
+    return Work(served, asked, batch, snapshot, outputs, request.inline_result)
 
 
 def _dtype(
@@ -192,7 +194,12 @@ def _whole_result(
 ) -> Iterator[Part]:
     tensors = result_arrays(compute())
     _finite([array for _, _, array in tensors])
-    yield _header(work, settings, [(f, v, a.shape, a.dtype) for f, v, a in tensors])
+    header = _header(work, settings, [(f, v, a.shape, a.dtype) for f, v, a in tensors])
+    if work.inline and sum(a.nbytes for _, _, a in tensors) <= settings.chunk_bytes:
+        header.data = b"".join(wire_bytes(array) for _, _, array in tensors)
+        yield header
+        return
+    yield header
     for index, (_, _, array) in enumerate(tensors):
         yield from iter_raw_chunks(index, array, chunk_bytes=settings.chunk_bytes)
 

@@ -109,6 +109,11 @@ def tensor_spec(name: str, array: np.ndarray) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, dtype=wire_dtype(array.dtype), shape=array.shape)
 
 
+def wire_bytes(array: np.ndarray) -> memoryview:
+    """The array's bytes as they travel: little-endian, C order (a view where it can)."""
+    return _byte_view(_little_endian(array))
+
+
 def iter_raw_chunks(
     index: int, array: np.ndarray, *, start: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[tuple[int, int, memoryview]]:
@@ -117,7 +122,7 @@ def iter_raw_chunks(
     `start` lets a slice of examples fill its place in the whole tensor: the rows of a
     C-contiguous [B, ...] tensor are contiguous byte ranges. The bytes are views, no copy.
     """
-    data = _byte_view(_little_endian(array))
+    data = wire_bytes(array)
     for offset in range(0, len(data), chunk_bytes):
         yield index, start + offset, data[offset : offset + chunk_bytes]
 
@@ -180,6 +185,15 @@ class TensorAssembler:
             raise CodecError(f"tensor {name!r}: chunk ends at byte {end}, past {len(target)}")
         target[filled:end] = data
         self._filled[tensor] = end
+
+    def add_inline(self, data: bytes | memoryview) -> None:
+        """Every tensor at once from a header's inline `data`: their bytes back to back."""
+        offset = 0
+        for index, target in enumerate(self._bytes):
+            self.add_raw(index, 0, data[offset : offset + len(target)])
+            offset += len(target)
+        if offset != len(data):
+            raise CodecError(f"inline result of {len(data)} bytes; its tensors hold {offset}")
 
     @property
     def complete(self) -> bool:

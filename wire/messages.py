@@ -74,7 +74,8 @@ def gradients_request(
     request_id: int = 0,
 ) -> pb.GradientsRequest:
     """A request for `reduction` with checked `options` (None or a default: not sent); `x`
-    one array (`inputs`) or one per input name (`named_inputs`)."""
+    one array (`inputs`) or one per input name (`named_inputs`). It asks for a small
+    result in one message (`inline_result`; `pergrad.client` reads both forms)."""
     request = pb.GradientsRequest(
         model=model,
         model_version=model_version,
@@ -83,6 +84,7 @@ def gradients_request(
         request_id=request_id,
         reduction=reduction.number,
         variables=list(variables or ()),
+        inline_result=True,
     )
     if isinstance(x, Mapping):
         for name, array in x.items():

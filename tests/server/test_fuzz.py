@@ -98,6 +98,9 @@ def _decoded(replies: list[bytes]) -> tuple[pb.ResultHeader, list[np.ndarray]]:
     header, *chunks = [decode_response(reply) for reply in replies]
     assert header.header is not None and all(part.chunk is not None for part in chunks)
     assembler = TensorAssembler([o.tensor for o in header.header.outputs])
+    if header.header.data:  # a small result inline (`inline_result`): no chunks follow
+        assert not chunks
+        assembler.add_inline(header.header.data)
     for part in chunks:
         assembler.add_raw(*part.chunk)
     return header.header, assembler.arrays()

@@ -17,6 +17,11 @@ from pergrad.client import GradientClient, PergradError, ServerLimits
 from pergrad.server.config import Config
 from pergrad.server.main import SERVICE_NAME, RunningServer
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.chunks import Part, decode_response
+from pergrad.wire.codec import TensorAssembler
+from pergrad.wire.messages import gradients_request
 from tests import oracle
 from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for
 
@@ -337,3 +342,42 @@ def test_out_of_another_shape_is_refused(client: GradientClient) -> None:
     small = client.per_example_gradients("mnist_mlp", x[:2], y[:2])
     with pytest.raises(PergradError, match="does not fit"):
         client.per_example_gradients("mnist_mlp", x, y, out=small)
+
+
+def _replies(server: RunningServer, request: pb.GradientsRequest) -> list[Part]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.unary_stream(f"/{SERVICE_NAME}/ComputePerExampleGradients")
+        return [decode_response(r) for r in call(request.SerializeToString(), timeout=60)]
+
+
+def _norms_request(size: int, *, inline: bool) -> pb.GradientsRequest:
+    x, y = batch_for((784,), 10, size)
+    request = gradients_request("mnist_mlp", x, y, reduction=CATALOGUE.get("norms"), options={})
+    request.inline_result = inline
+    return request
+
+
+def _result(replies: list[Part]) -> list[np.ndarray]:
+    header = replies[0].header
+    assembler = TensorAssembler([o.tensor for o in header.outputs])
+    if header.data:
+        assembler.add_inline(header.data)
+    for part in replies[1:]:
+        assembler.add_raw(*part.chunk)
+    return assembler.arrays()
+
+
+def test_a_small_result_asked_inline_is_one_message_with_the_chunked_bytes(server) -> None:
+    inline = _replies(server, _norms_request(6, inline=True))
+    chunked = _replies(server, _norms_request(6, inline=False))
+    assert len(inline) == 1 and len(chunked) == 1 + len(chunked[0].header.outputs)
+    assert not chunked[0].header.data
+    for got, want in zip(_result(inline), _result(chunked), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_result_over_one_chunk_comes_in_chunks_even_asked_inline(server) -> None:
+    request = _norms_request(6, inline=True)
+    request.reduction = CATALOGUE.get("none").number  # 6 x 101,770 floats: 2.4 MB
+    replies = _replies(server, request)
+    assert not replies[0].header.data and len(replies) > 1 + len(replies[0].header.outputs)

@@ -13,6 +13,7 @@ from pergrad.wire.codec import (
     encode_tensor,
     iter_chunks,
     tensor_spec,
+    wire_bytes,
 )
 
 
@@ -106,3 +107,20 @@ def test_truncated_tensor_is_refused_when_read() -> None:
     assert not assembler.complete
     with pytest.raises(CodecError, match="'t0' truncated: 64 of 400 bytes"):
         assembler.arrays()
+
+
+def test_inline_bytes_fill_every_tensor_in_order() -> None:
+    a, b = np.arange(7, dtype=np.float32), np.arange(6, dtype=np.int64).reshape(2, 3)
+    assembler = _assembler_for(a, b)
+    assembler.add_inline(bytes(wire_bytes(a)) + bytes(wire_bytes(b)))
+    got_a, got_b = assembler.arrays()
+    np.testing.assert_array_equal(got_a, a)
+    np.testing.assert_array_equal(got_b, b)
+
+
+@pytest.mark.parametrize("extra", [-4, 4], ids=["short", "long"])
+def test_inline_bytes_of_another_length_are_refused(extra: int) -> None:
+    a = np.arange(7, dtype=np.float32)
+    data = bytes(wire_bytes(a)) + b"\0" * max(extra, 0)
+    with pytest.raises(CodecError):
+        _assembler_for(a).add_inline(data[: len(data) + min(extra, 0)])
