@@ -24,10 +24,14 @@ import os
 
 import numpy as np
 
+from pergrad.server.engine.cores import on_cores
+
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _U64 = np.uint64
+# Streams this long or longer fill on every core (below, handing over costs more).
+PARALLEL_ENTRIES = 1 << 15
 
 
 def _mix_int(x: int) -> int:
@@ -89,10 +93,18 @@ def rademacher(key: int, start: int, count: int) -> np.ndarray:
 
 
 def gaussian(key: int, start: int, count: int) -> np.ndarray:
-    """Entries [start, start + count) of the Gaussian stream `key`, float32."""
-    first = start // 2
-    words = _bits(key, first, (start + count + 1) // 2 - first)
-    return _box_muller(words)[start - 2 * first : start - 2 * first + count]
+    """Entries [start, start + count) of the Gaussian stream `key`, float32: each entry a
+    function of its index alone, so parts of the range fill on every core at once."""
+    out = np.empty(count, np.float32)
+
+    def fill(part: slice) -> None:
+        low = start + part.start
+        first = low // 2
+        words = _bits(key, first, (start + part.stop + 1) // 2 - first)
+        out[part] = _box_muller(words)[low - 2 * first : low - 2 * first + len(out[part])]
+
+    on_cores(count, fill, serial=count < PARALLEL_ENTRIES, align=2)
+    return out
 
 
 KINDS = {"rademacher": rademacher, "gaussian": gaussian}
@@ -111,5 +123,11 @@ def matrix_rows(
 def secure_gaussian(shape: tuple[int, ...]) -> np.ndarray:
     """Standard Gaussians from the operating system's cryptographically secure source."""
     count = int(np.prod(shape, dtype=np.int64))
-    words = np.frombuffer(os.urandom(8 * ((count + 1) // 2)), dtype="<u8")
-    return _box_muller(words.astype(np.uint64))[:count].reshape(shape)
+    words = np.frombuffer(os.urandom(8 * ((count + 1) // 2)), dtype="<u8").astype(np.uint64)
+    out = np.empty(count, np.float32)
+
+    def fill(part: slice) -> None:
+        out[part] = _box_muller(words[part.start // 2 : (part.stop + 1) // 2])[: len(out[part])]
+
+    on_cores(count, fill, serial=count < PARALLEL_ENTRIES, align=2)
+    return out.reshape(shape)

@@ -43,6 +43,17 @@ def test_any_block_equals_the_same_slice_of_the_whole(kind: str, start: int, cou
     assert entries(12345, start, count).tobytes() == whole[start : start + count].tobytes()
 
 
+@pytest.mark.parametrize("start", [0, 1])
+def test_a_range_made_on_every_core_equals_its_blocks_made_alone(start: int) -> None:
+    count = 2 * random_streams.PARALLEL_ENTRIES + 3
+    whole = random_streams.gaussian(777, start, count)
+    step = random_streams.PARALLEL_ENTRIES // 3  # each block made serially
+    blocks = [
+        random_streams.gaussian(777, start + s, min(step, count - s)) for s in range(0, count, step)
+    ]
+    assert whole.tobytes() == np.concatenate(blocks).tobytes()
+
+
 def test_matrix_rows_are_rows_of_the_whole_matrix() -> None:
     whole = random_streams.matrix_rows(5, 1, 0, rows=range(10), columns=33, kind="gaussian")
     part = random_streams.matrix_rows(5, 1, 0, rows=range(3, 7), columns=33, kind="gaussian")
