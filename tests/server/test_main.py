@@ -151,3 +151,28 @@ def test_sigterm_while_starting_drains_and_exits_zero() -> None:
     log.extend(process.stderr)
     assert process.wait(timeout=120) == 0, "".join(log)
     assert "stopped" in log[-1], "".join(log)
+
+
+HANGING_STOP = """
+import sys, threading
+from pergrad.server import main
+main.STOP_SLACK_S = 1.0
+main.RunningServer.stop = lambda self, grace_s: threading.Event().wait()
+sys.exit(main.serve(sys.argv[1:]))
+"""
+
+
+def test_a_stop_that_hangs_prints_every_threads_stack_and_exits_1() -> None:
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace", "0"]
+    command = [sys.executable, "-c", HANGING_STOP, *flags, "--model", "mnist_mlp"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stderr:
+            if READY.search(line):
+                break
+        process.send_signal(signal.SIGTERM)
+        log = process.stderr.read()
+        assert process.wait(timeout=60) == 1
+    finally:
+        process.kill()
+    assert "Timeout (0:00:01)!" in log and "Thread 0x" in log and "in serve" in log
