@@ -7,7 +7,7 @@ waiting, gathers those arriving within `window_s` (0 by default: those already w
 so a lone request waits for nothing and those arriving during a pass share the next),
 and runs them together with `pergrad.server.engine.group.compute_group`, one group per
 weights snapshot, in passes sized to what they hold (`group.same_bits_sizes`). Every
-request of at most `granule` examples takes this path, alone or not, so its result is
+request of fewer than `granule` examples takes this path, alone or not, so its result is
 the same to the bit whatever shares its pass.
 """
 
@@ -72,8 +72,9 @@ class Coalescer:
         self._thread.start()
 
     def takes(self, size: int) -> bool:
-        """Whether a request of `size` examples goes through shared passes."""
-        return size <= self.granule
+        """Whether a request of `size` examples goes through shared passes: one that
+        fills a pass could share it with no one, and runs alone (its reduction in the pass)."""
+        return size < self.granule
 
     def compute(self, job: Job, snapshot: Snapshot) -> GradientResult:
         """The job's result (its sink's), computed in a shared pass; its errors raised here."""

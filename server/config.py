@@ -203,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-coalesced-batch",
         default=_env("MAX_COALESCED_BATCH", d.max_coalesced_batch),
         help="bound on the examples of one shared pass: passes hold the largest power of two "
-        "within it and the engine's slice, and requests up to that pass size share passes "
+        "within it and the engine's slice, and requests smaller than that pass size share passes "
         "(0: no coalescing)",
     )
     parser.add_argument(

@@ -142,12 +142,13 @@ def test_a_cancelled_request_leaves_its_neighbours_whole(coalescing) -> None:
         assert client.per_example_gradients(MODEL, x, y, reduction="norms").norms.shape == (6,)
 
 
-def test_requests_larger_than_a_pass_run_on_their_own(coalescing) -> None:
-    x, y = batch_for((784,), 10, GRANULE + 1)
+@pytest.mark.parametrize("size", [GRANULE, GRANULE + 1])
+def test_requests_that_fill_a_pass_run_on_their_own(coalescing, size: int) -> None:
+    x, y = batch_for((784,), 10, size)
     before = _passes(coalescing)
     with _client(coalescing) as client:
         result = client.per_example_gradients(MODEL, x, y, reduction="norms")
-    assert result.norms.shape == (GRANULE + 1,)
+    assert result.norms.shape == (size,)
     assert _passes(coalescing) == before
 
 
