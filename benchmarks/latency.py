@@ -34,7 +34,6 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved_medians
-from transport import spawn
+from transport import serve_bare, spawn
 
 from pergrad.client import GradientClient
 from pergrad.client._call import Call
@@ -93,18 +92,7 @@ def serve_echo() -> None:
         for offset in range(0, total, size):
             yield payload[: min(size, total - offset)]
 
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Call": grpc.unary_stream_rpc_method_handler(call)}
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(4),
-        handlers=[handler],
-        options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    print(f"ready on 127.0.0.1:{port}", file=sys.stderr, flush=True)
-    server.wait_for_termination()
+    serve_bare("bench.Echo", "Call", call)
 
 
 def echo_call(channel: grpc.Channel, request_bytes: int, response: list[bytes]) -> Callable:

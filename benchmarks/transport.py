@@ -80,13 +80,19 @@ def serve_raw() -> None:
         for offset in range(0, total, chunk):
             yield payload[: min(chunk, total - offset)]
 
+    serve_bare("bench.Raw", "Stream", stream)
+
+
+def serve_bare(service: str, method: str, stream: Callable) -> None:
+    """A bare gRPC server (no protobuf, no interceptors) with one unary-stream method; it
+    prints its ready line (`spawn` reads it) and serves until killed."""
     handler = grpc.method_handlers_generic_handler(
-        "bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+        service, {method: grpc.unary_stream_rpc_method_handler(stream)}
     )
     server = grpc.server(
         futures.ThreadPoolExecutor(4),
         handlers=[handler],
-        options=[("grpc.max_send_message_length", -1)],
+        options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
     )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
