@@ -4,7 +4,8 @@ For mnist_mlp and mnist_cnn, B in {1, 8, 64, 256} and each mode (full gradients,
 clipped sums without noise, with unseeded noise and with seeded noise), medians of
 interleaved rounds in one run:
 
-  tf mean grad   TensorFlow's own gradient of the mean loss, compiled, in this process
+  tf mean grad   TensorFlow's own gradient of the mean loss as a training step computes it:
+                 a tf.function of (x, y) over the model's variables, in this process
   engine         the in-process `Engine.compute` of the same request
   remote         `GradientClient.per_example_gradients` against `pergrad serve` (a process
                  of its own, --jit-compile off, every other flag its default)
@@ -41,6 +42,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import grpc
 import numpy as np
+import tensorflow as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import interleaved_medians
@@ -55,7 +57,6 @@ from pergrad.server.coalescer import Coalescer, granule_for
 from pergrad.server.config import Config
 from pergrad.server.engine.engine import Engine
 from pergrad.server.engine.group import Job
-from pergrad.server.engine.reference import References
 from pergrad.server.gradients import Settings, Work, prepare, responses
 from pergrad.server.main import build_registry
 from pergrad.server.models.registry import ServedModel
@@ -188,6 +189,19 @@ class Phases:
 # -- the run -------------------------------------------------------------------------------
 
 
+def mean_gradient(engine: Engine) -> Callable[[np.ndarray, np.ndarray], list[np.ndarray]]:
+    """The gradient of the mean loss, compiled, as numpy: what a plain training step pays."""
+    model, loss = engine.model, engine.loss
+
+    @tf.function
+    def gradient(x: tf.Tensor, y: tf.Tensor) -> list[tf.Tensor]:
+        with tf.GradientTape() as tape:
+            mean = tf.reduce_mean(loss(y, model(x, training=False)))
+        return tape.gradient(mean, model.trainable_variables)
+
+    return lambda x, y: [g.numpy() for g in gradient(x, y)]
+
+
 def batch_of(engine: Engine, size: int) -> tuple[np.ndarray, np.ndarray]:
     """What a trainer has: float64 pixels and int64 labels, numpy's defaults."""
     rng = np.random.default_rng(size)
@@ -207,12 +221,12 @@ def measure_cell(
     x, y = batch_of(engine, batch)
     info = client.model_info(served.name)
     phases = Phases(served, info, x, y, mode)
-    references = References(engine.model, engine.loss)
+    mean_grad = mean_gradient(engine)
     cast = engine.batch(x, y)
     options = MODES[mode]
     try:
         methods = {
-            "tf mean grad": lambda: references.mean_gradient(cast.xs[0], cast.y),
+            "tf mean grad": lambda: mean_grad(cast.xs[0], cast.y),
             "engine": lambda: engine.compute(cast, **options),
             "remote": lambda: client.per_example_gradients(served.name, x, y, **options),
             "echo": echo_call(echo_channel, len(phases.request), phases.messages),
