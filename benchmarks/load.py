@@ -60,19 +60,20 @@ SMALL_REDUCTIONS = {
     "clipped_sum": {"max_norm": 1.0, "noise_multiplier": 1.0, "seed": 1},
     "norms": {},
 }
-START_DELAY_S = 4.0  # for every client process to import and connect before the clock starts
+START_DELAY_S = 0.5  # from the last client's "ready" to the start of the clock
 
 
-def small_client(
-    target: str, model: str, reduction: str, batch: int, start: float, end: float
-) -> None:
-    """One client of the small-request mode: latencies of the requests it started between
-    `start` and `end` (wall clock), back to back."""
+def small_client(target: str, model: str, reduction: str, batch: int) -> None:
+    """One client of the small-request mode: says "ready" once connected, reads the
+    clock's start and end (wall clock) from stdin, and reports the latencies of the
+    requests it started between them, back to back."""
     x, y = SMALL_MODELS[model](batch)
     options = SMALL_REDUCTIONS[reduction]
     latencies = []
     with GradientClient(target, timeout=120) as c:
         c.model_info(model)  # connected before the clock starts
+        print("ready", flush=True)
+        start, end = map(float, sys.stdin.readline().split())
         time.sleep(max(0.0, start - time.time()))
         while time.time() < end:
             began = time.perf_counter()
@@ -84,17 +85,24 @@ def small_client(
 def _small_run(
     target: str, model: str, reduction: str, batch: int, clients: int, seconds: float
 ) -> tuple[float, float, float]:
-    """(examples/s, p50 s, p99 s) of `clients` processes sending for `seconds`."""
-    start = time.time() + START_DELAY_S
-    argv = [model, reduction, str(batch), str(start), str(start + seconds)]
+    """(examples/s, p50 s, p99 s) of `clients` processes sending for `seconds`, the clock
+    started once every one of them has imported and connected."""
+    argv = [model, reduction, str(batch)]
     children = [
         subprocess.Popen(
             [sys.executable, __file__, "--small-child", target, *argv],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         for _ in range(clients)
     ]
+    for child in children:
+        assert child.stdout.readline().strip() == "ready"
+    start = time.time() + START_DELAY_S
+    for child in children:
+        child.stdin.write(f"{start} {start + seconds}\n")
+        child.stdin.flush()
     outputs = [json.loads(c.communicate(timeout=600)[0].strip().splitlines()[-1]) for c in children]
     latencies = [t for o in outputs for t in o["latencies"]]
     return (
@@ -167,14 +175,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--small-child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--small-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         client(args.child[0], int(args.child[1]))
         return
     if args.small_child:
-        target, model, reduction, batch, start, end = args.small_child
-        small_client(target, model, reduction, int(batch), float(start), float(end))
+        target, model, reduction, batch = args.small_child
+        small_client(target, model, reduction, int(batch))
         return
     if args.small:
         small(args.clients, args.seconds, args.rounds)

@@ -5,7 +5,7 @@ job's few hundred), and each engine pass has a fixed cost. Like an inference ser
 dynamic batcher, each model's `Coalescer` has one thread that takes the first request
 waiting, gathers those arriving within `window_s` (0 by default: those already waiting,
 so a lone request waits for nothing and those arriving during a pass share the next),
-and runs them together with `pergrad.server.engine.group.compute_group`, one group per
+and runs them together with `pergrad.server.engine.group.shared_rows`, one group per
 weights snapshot, in passes sized to what they hold (`group.same_bits_sizes`). Every
 request of fewer than `granule` examples takes this path, alone or not, so its result is
 the same to the bit whatever shares its pass.
@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, compute_group, packs, same_bits_sizes
+from pergrad.server.engine.group import Job, Rows, packs, same_bits_sizes, shared_rows
 from pergrad.server.weights import Snapshot
 from pergrad.wire.results import GradientResult
 
@@ -77,10 +77,13 @@ class Coalescer:
         return size < self.granule
 
     def compute(self, job: Job, snapshot: Snapshot) -> GradientResult:
-        """The job's result (its sink's), computed in a shared pass; its errors raised here."""
+        """The job's result (its sink's), its rows computed in a shared pass, then reduced
+        here, on the caller's thread, beside the other callers (a reduction's numpy work
+        and noise would queue everyone on the batcher thread); its errors raised here."""
         pending = _Pending(job, snapshot)
         self._queue.put(pending)
-        return pending.done.result()
+        rows: Rows = pending.done.result()
+        return rows.into(job.sink)
 
     def close(self) -> None:
         """Finish the requests already queued, then stop the thread."""
@@ -117,7 +120,7 @@ class Coalescer:
     def _compute(self, group: list[_Pending]) -> None:
         jobs = [p.job for p in group]
         try:
-            outcomes = compute_group(
+            outcomes = shared_rows(
                 self._engine,
                 jobs,
                 granule=self.granule,

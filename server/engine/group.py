@@ -111,6 +111,19 @@ def _padded(parts: Sequence[np.ndarray], size: int) -> np.ndarray:
     return np.concatenate([*parts, padding])
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A job's rows of a shared pass: its losses and each variable's gradient, model order."""
+
+    losses: np.ndarray
+    grads: list[Grad]
+
+    def into(self, sink: Sink) -> GradientResult:
+        """The job's result: its rows fed to its sink (the reduction, the noise)."""
+        sink.add(0, self.losses, self.grads)
+        return sink.finish()
+
+
 def compute_group(
     engine: Engine,
     jobs: Sequence[Job],
@@ -119,12 +132,36 @@ def compute_group(
     sizes: Sequence[int] = (),
     trainable: Sequence[tf.Tensor] | None = None,
 ) -> list[GradientResult | Exception]:
-    """Each job's result, or the error that ended it alone; jobs of fewer than `granule`
-    examples each, computed with the same weights, in passes of the smallest of `sizes`
-    (ascending, `same_bits_sizes`; default: `granule` only) that holds them."""
+    """Each job's result, or the error that ended it alone (`shared_rows`, each job's
+    rows then fed to its sink here)."""
+    outcomes = shared_rows(engine, jobs, granule=granule, sizes=sizes, trainable=trainable)
+    return [_finished(job, outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
+
+
+def _finished(job: Job, outcome: Rows | Exception) -> GradientResult | Exception:
+    if isinstance(outcome, Exception):
+        return outcome
+    try:
+        return outcome.into(job.sink)
+    except Exception as err:
+        return err
+
+
+def shared_rows(
+    engine: Engine,
+    jobs: Sequence[Job],
+    *,
+    granule: int,
+    sizes: Sequence[int] = (),
+    trainable: Sequence[tf.Tensor] | None = None,
+) -> list[Rows | Exception]:
+    """Each job's rows of the passes, or the error that ended it alone; jobs of fewer than
+    `granule` examples each, computed with the same weights, in passes of the smallest of
+    `sizes` (ascending, `same_bits_sizes`; default: `granule` only) that holds them. The
+    rows are not yet reduced: each caller reduces its own (`Rows.into`), beside the others."""
     sizes = sizes or (granule,)
     weights = engine.weights(trainable)
-    outcome: list[GradientResult | Exception | None] = [None] * len(jobs)
+    outcome: list[Rows | Exception | None] = [None] * len(jobs)
     for pack in packs([job.batch.size for job in jobs], granule):
         live = []
         for i in pack:
@@ -132,38 +169,37 @@ def compute_group(
                 outcome[i] = Cancelled("call cancelled or past its deadline before its pass")
             else:
                 live.append(i)
+        if not live:
+            continue
         try:
-            _feed(engine, weights, [jobs[i] for i in live], sizes)
+            shared = _pass(engine, weights, [jobs[i] for i in live], sizes)
+            for i, rows_of in zip(live, shared, strict=True):
+                outcome[i] = rows_of
         except InvalidArgument as err:
             if len(live) == 1:
                 outcome[live[0]] = err
                 continue
             for i in live:  # which request did the model refuse? each alone, then
                 try:
-                    _feed(engine, weights, [jobs[i]], sizes)
+                    outcome[i] = _pass(engine, weights, [jobs[i]], sizes)[0]
                 except InvalidArgument as own:
                     outcome[i] = own
-    for i, job in enumerate(jobs):
-        if outcome[i] is None:
-            try:
-                outcome[i] = job.sink.finish()
-            except Exception as err:
-                outcome[i] = err
     return outcome
 
 
-def _feed(
+def _pass(
     engine: Engine, weights: tuple[tf.Tensor, ...], jobs: Sequence[Job], sizes: Sequence[int]
-) -> None:
-    """One pass holding `jobs`' batches, of the smallest of `sizes` that holds them, fed
-    to their sinks."""
+) -> list[Rows]:
+    """One pass holding `jobs`' batches, of the smallest of `sizes` that holds them: each
+    job's rows of it."""
     size = pass_size(sum(job.batch.size for job in jobs), sizes)
     inputs = len(jobs[0].batch.xs)
     xs = tuple(_padded([job.batch.xs[k] for job in jobs], size) for k in range(inputs))
     y = _padded([job.batch.y for job in jobs], size)
     losses, grads = engine.run_pass(weights, xs, y, size)
-    offset = 0
+    parts, offset = [], 0
     for job in jobs:
         part = slice(offset, offset + job.batch.size)
-        job.sink.add(0, losses[part], [rows(g, part) for g in grads])
+        parts.append(Rows(losses[part], [rows(g, part) for g in grads]))
         offset += job.batch.size
+    return parts
