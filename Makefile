@@ -78,6 +78,7 @@ bench: install
 	$(PY) benchmarks/conv_norms.py
 	$(PY) benchmarks/project_seeds.py
 	$(PY) benchmarks/transport.py
+	$(PY) benchmarks/latency.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
 	$(PY) benchmarks/dp_step.py
