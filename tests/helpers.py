@@ -14,6 +14,7 @@ import pytest
 
 from pergrad.client.local import LocalServer
 from pergrad.server.config import Config
+from pergrad.server.engine.group import shared_rows
 
 # float32 results of the vectorized pass and of the batch-size-1 loop sum the same terms in
 # different orders (and oneDNN picks different kernels per batch size), so they differ by
@@ -137,3 +138,15 @@ def installed_tool(name: str, how: str) -> str:
     if path is None:
         pytest.fail(f"{name} not installed: {how}", pytrace=False)
     return path
+
+
+def computed_together(engine, jobs, **passes) -> list:
+    """Each job's result or error, as the coalescer's callers get them: the shared passes'
+    rows (`group.shared_rows`), each then fed to its own job's sink (`Rows.into`)."""
+    outcomes = []
+    for job, rows in zip(jobs, shared_rows(engine, jobs, **passes), strict=True):
+        try:
+            outcomes.append(rows if isinstance(rows, Exception) else rows.into(job.sink))
+        except Exception as err:
+            outcomes.append(err)
+    return outcomes

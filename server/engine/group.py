@@ -29,7 +29,7 @@ from pergrad.wire.results import GradientResult
 
 @dataclass(frozen=True)
 class Job:
-    """One request of a group (`compute_group`): its batch, where its results go,
+    """One request of a group (`shared_rows`): its batch, where its results go,
     and whether its caller still wants them."""
 
     batch: Batch
@@ -122,29 +122,6 @@ class Rows:
         """The job's result: its rows fed to its sink (the reduction, the noise)."""
         sink.add(0, self.losses, self.grads)
         return sink.finish()
-
-
-def compute_group(
-    engine: Engine,
-    jobs: Sequence[Job],
-    *,
-    granule: int,
-    sizes: Sequence[int] = (),
-    trainable: Sequence[tf.Tensor] | None = None,
-) -> list[GradientResult | Exception]:
-    """Each job's result, or the error that ended it alone (`shared_rows`, each job's
-    rows then fed to its sink here)."""
-    outcomes = shared_rows(engine, jobs, granule=granule, sizes=sizes, trainable=trainable)
-    return [_finished(job, outcome) for job, outcome in zip(jobs, outcomes, strict=True)]
-
-
-def _finished(job: Job, outcome: Rows | Exception) -> GradientResult | Exception:
-    if isinstance(outcome, Exception):
-        return outcome
-    try:
-        return outcome.into(job.sink)
-    except Exception as err:
-        return err
 
 
 def shared_rows(

@@ -1,6 +1,6 @@
 """Where one request's per-example results go as slices of them are computed: full
 gradients written into the result's arrays, or a reduction fed. A sink sees only its
-own request's rows, so requests that share a pass (`group.compute_group`) each get
+own request's rows, so requests that share a pass (`group.shared_rows`) each get
 exactly what they would alone.
 """
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, compute_group, packs, pass_size, same_bits_sizes
+from pergrad.server.engine.group import Job, packs, pass_size, same_bits_sizes
 from pergrad.server.errors import Cancelled
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
-from tests.helpers import assert_close, batch_for
+from tests.helpers import assert_close, batch_for, computed_together
 
 GRANULE = 32
 
@@ -39,7 +39,7 @@ def _job(engine: Engine, size: int, seed: int, cancelled=None, **request) -> Job
 def test_each_job_gets_what_the_engine_computes_for_it_alone(engine: Engine) -> None:
     requests = [(5, {"reduction": "norms"}), (9, {}), (3, {"reduction": "moments"})]
     jobs = [_job(engine, size, seed, **request) for seed, (size, request) in enumerate(requests)]
-    results = compute_group(engine, jobs, granule=GRANULE)
+    results = computed_together(engine, jobs, granule=GRANULE)
     for job, result in zip(jobs, results, strict=True):
         alone = engine.compute(job.batch, **dict(requests)[job.batch.size])
         assert_close({"losses": result.losses}, {"losses": alone.losses})
@@ -54,9 +54,9 @@ def test_each_job_gets_what_the_engine_computes_for_it_alone(engine: Engine) -> 
 def test_a_cancelled_job_is_skipped_and_its_neighbours_are_not(engine: Engine) -> None:
     kept = _job(engine, 4, 1, reduction="norms")
     dropped = _job(engine, 4, 2, lambda: True, reduction="norms")
-    result, error = compute_group(engine, [kept, dropped], granule=GRANULE)
+    result, error = computed_together(engine, [kept, dropped], granule=GRANULE)
     assert isinstance(error, Cancelled)
-    alone = compute_group(engine, [_job(engine, 4, 1, reduction="norms")], granule=GRANULE)[0]
+    alone = computed_together(engine, [_job(engine, 4, 1, reduction="norms")], granule=GRANULE)[0]
     np.testing.assert_array_equal(result.norms, alone.norms)
 
 
@@ -66,7 +66,7 @@ def test_shared_clipped_sums_straddling_the_bound_match_the_oracle(engine: Engin
     norms = oracle.per_example_norms(grads)
     max_norm = float(np.median(norms)) * (1 + 5e-4)  # some clipped, one just under
     job = Job(engine.batch(x, y), engine.sink(8, reduction="clipped_sum", max_norm=max_norm), None)
-    (result,) = compute_group(engine, [job], granule=GRANULE)
+    (result,) = computed_together(engine, [job], granule=GRANULE)
     assert result.num_clipped == int((norms > max_norm).sum()) > 0
     want = oracle.clipped_sum(grads, max_norm)
     for name, value in want.items():
@@ -81,10 +81,10 @@ def test_a_pass_takes_the_smallest_allowed_size_that_holds_its_rows() -> None:
 def test_a_lone_job_in_a_small_pass_equals_itself_in_a_full_one_to_the_bit(engine) -> None:
     sizes = same_bits_sizes(engine, GRANULE)
     assert sizes[-1] == GRANULE and list(sizes) == sorted(set(sizes))
-    lone = compute_group(
+    lone = computed_together(
         engine, [_job(engine, 3, 1, reduction="norms")], granule=GRANULE, sizes=sizes
     )
     neighbours = [_job(engine, 20, 2), _job(engine, 3, 1, reduction="norms"), _job(engine, 9, 3)]
-    shared = compute_group(engine, neighbours, granule=GRANULE, sizes=sizes)[1]
+    shared = computed_together(engine, neighbours, granule=GRANULE, sizes=sizes)[1]
     np.testing.assert_array_equal(shared.losses, lone[0].losses)
     np.testing.assert_array_equal(shared.norms, lone[0].norms)

@@ -12,13 +12,13 @@ import pytest
 from scipy.stats import chi2
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, compute_group
+from pergrad.server.engine.group import Job
 from pergrad.server.engine.reductions import ReductionRegistry, default_reductions
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.wire.catalogue import CATALOGUE, NONE
 from tests import oracle, spec_random
-from tests.helpers import assert_close, batch_for, tabular_model
+from tests.helpers import assert_close, batch_for, computed_together, tabular_model
 
 MODELS = ["mnist_mlp", "mnist_cnn", "transformer_block", "tabular"]
 _ENGINES: dict[str, Engine] = {}
@@ -358,7 +358,7 @@ def test_conv_norms_and_clipped_sums_by_either_algebra_match_oracle(route: str) 
         result = engine.per_example_gradients(x, y, **options)
     else:
         job = Job(engine.batch(x, y), engine.sink(len(x), **options))
-        (result,) = compute_group(engine, [job], granule=16)
+        (result,) = computed_together(engine, [job], granule=16)
     assert_close({"norms": result.norms}, {"norms": norms})
     assert_close(result.clipped_sum, oracle.clipped_sum(grads, max_norm))
     assert result.num_clipped == int(np.sum(norms > max_norm))
