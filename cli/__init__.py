@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(argv: Sequence[str]) -> int:
     try:
-        from pergrad.server.main import serve
+        from pergrad.server.serve import serve
     except ImportError as err:
         print(
             f"pergrad serve needs the server: pip install 'pergrad[server]' ({err})",

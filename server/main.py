@@ -1,13 +1,9 @@
-"""`pergrad serve`: load the models, start gRPC with health and reflection, drain on SIGTERM."""
+"""Starting a server: load the models, start gRPC with health and reflection and /metrics;
+`RunningServer.stop` drains. `pergrad serve` (`pergrad.server.serve`) runs it."""
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import signal
-import sys
-import threading
-from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -16,7 +12,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
-from pergrad.server.config import JIT_CHOICES, Config, ConfigError, parse
+from pergrad.server.config import JIT_CHOICES, Config
 from pergrad.server.guard import CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
@@ -24,7 +20,6 @@ from pergrad.server.interceptors import MetricsInterceptor
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.metrics_http import MetricsEndpoint, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
-from pergrad.server.models.keras_file import ModelLoadError
 from pergrad.server.models.registry import ModelRegistry, load_model
 from pergrad.server.reflection import add_reflection
 from pergrad.server.service import GradientServicer, add_to_server
@@ -37,9 +32,6 @@ OPEN_STREAMS = 2
 # Health Watch streams open at once (they hold no thread, only a place among the calls
 # gRPC admits); more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
 WATCH_STREAMS = 16
-# A stop still under way this long after its grace ends prints every thread's stack and
-# exits 1: a server told to stop never hangs, and a hang leaves its cause in the log.
-STOP_SLACK_S = 20.0
 
 
 def configure_devices() -> None:
@@ -184,28 +176,3 @@ def _add_port(server: grpc.Server, config: Config) -> int:
         return server.add_insecure_port(address)
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     return server.add_secure_port(address, credentials)
-
-
-def serve(argv: Sequence[str]) -> int:
-    """Run until SIGTERM or SIGINT; exit status 2 for a configuration, model or port error."""
-    # Handlers first: a stop that arrives while the models load, or just after the server
-    # turns SERVING (a pod deleted as it became ready), is a drain, never a kill.
-    stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
-    try:
-        config = parse(argv)
-        logging.basicConfig(
-            level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-        configure_devices()
-        running = start(config)
-    except (ConfigError, ModelLoadError, OSError) as err:
-        print(f"pergrad serve: {err}", file=sys.stderr)
-        return 2
-    stopping.wait()
-    _LOGGER.info("draining for up to %.1f s", config.grace_s)
-    faulthandler.dump_traceback_later(config.grace_s + STOP_SLACK_S, exit=True)
-    running.stop(config.grace_s)
-    _LOGGER.info("stopped")
-    return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from pergrad.server.engine.group import shared_rows
 RELATIVE_TOLERANCE = 1e-5
 LOOP_ERROR_FACTOR = 2
 
+# The line a server logs once it answers: its gRPC target and its metrics port.
+READY = re.compile(r"pergrad ready on (\S+:\d+) .* metrics on http://\S+:(\d+)/metrics")
 KERAS_MODEL_NAME = "tabular"
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 
@@ -22,8 +21,14 @@ class CastError(ValueError):
 
 
 def dtype_named(name: str) -> np.dtype:
-    """numpy's dtype of a name: "float32", ..., "bfloat16" (ml_dtypes) too."""
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+    """numpy's dtype of a name: "float32", ..., "bfloat16" too. ml_dtypes, which takes
+    about a second to import, loads only when bfloat16 is asked for (an array of it
+    has loaded it already), so a client that never uses it starts without it."""
+    if name != "bfloat16":
+        return np.dtype(name)
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def cast(array: Any, dtype: np.dtype | str, *, what: str) -> np.ndarray:

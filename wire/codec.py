@@ -10,24 +10,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from pergrad.v1 import tensor_pb2 as pb
+from pergrad.wire.casting import dtype_named
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
-_NUMPY_DTYPES: dict[int, np.dtype] = {
-    pb.DATA_TYPE_FLOAT32: np.dtype("<f4"),
-    pb.DATA_TYPE_FLOAT64: np.dtype("<f8"),
-    pb.DATA_TYPE_FLOAT16: np.dtype("<f2"),
-    pb.DATA_TYPE_BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-    pb.DATA_TYPE_INT32: np.dtype("<i4"),
-    pb.DATA_TYPE_INT64: np.dtype("<i8"),
-    pb.DATA_TYPE_UINT8: np.dtype("u1"),
-    pb.DATA_TYPE_BOOL: np.dtype("?"),
+# numpy's names (little-endian on every platform numpy's wheels serve); bfloat16 is ml_dtypes'.
+_WIRE_DTYPES: dict[str, int] = {
+    "float32": pb.DATA_TYPE_FLOAT32,
+    "float64": pb.DATA_TYPE_FLOAT64,
+    "float16": pb.DATA_TYPE_FLOAT16,
+    "bfloat16": pb.DATA_TYPE_BFLOAT16,
+    "int32": pb.DATA_TYPE_INT32,
+    "int64": pb.DATA_TYPE_INT64,
+    "uint8": pb.DATA_TYPE_UINT8,
+    "bool": pb.DATA_TYPE_BOOL,
 }
-_WIRE_DTYPES: dict[str, int] = {dt.name: code for code, dt in _NUMPY_DTYPES.items()}
+_NAMES: dict[int, str] = {code: name for name, code in _WIRE_DTYPES.items()}
 
 
 class CodecError(ValueError):
@@ -37,7 +38,7 @@ class CodecError(ValueError):
 def numpy_dtype(code: int) -> np.dtype:
     """The little-endian numpy dtype for a wire DataType."""
     try:
-        return _NUMPY_DTYPES[code]
+        return dtype_named(_NAMES[code]).newbyteorder("<")
     except KeyError:
         name = pb.DataType.Name(code) if code in pb.DataType.values() else str(code)
         supported = ", ".join(sorted(_WIRE_DTYPES))

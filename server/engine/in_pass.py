@@ -79,8 +79,7 @@ def weighted_sum(grad: Grad, weights: tf.Tensor, shape: Sequence[int]) -> tf.Ten
         g = tf.cast(grad.g, tf.float32) * weights[:, None, None]
         flat = tf.reshape(g, [-1, shape[-1]])
         return tf.math.unsorted_segment_sum(flat, tf.reshape(grad.ids, [-1]), shape[0])
-    dense = tf.cast(grad, tf.float32)
-    return tf.tensordot(weights, dense, axes=1)
+    return tf.einsum("b,b...->...", weights, tf.cast(grad, tf.float32))
 
 
 def reduce(

@@ -86,7 +86,9 @@ def per_example_function(
         return losses, grads
 
     if in_pass is None:
-        return tf.function(per_example, input_signature=signature, jit_compile=jit_compile)
+        return tf.function(
+            per_example, input_signature=signature, jit_compile=jit_compile, autograph=False
+        )
     shapes = [v.shape for v in model.trainable_variables]
 
     def reduced(trainable, non_trainable, xs, y, rows, max_norm):
@@ -95,4 +97,6 @@ def per_example_function(
         return losses, reduce(in_pass, ordered, shapes, rows, max_norm)
 
     extra = [tf.TensorSpec([batch_size], tf.float32), tf.TensorSpec([], tf.float32)]
-    return tf.function(reduced, input_signature=[*signature, *extra], jit_compile=jit_compile)
+    return tf.function(
+        reduced, input_signature=[*signature, *extra], jit_compile=jit_compile, autograph=False
+    )

@@ -11,9 +11,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from pergrad.server.main import serve
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.models.registry import load_model
+from pergrad.server.serve import serve
 from tests.helpers import KERAS_MODEL_NAME
 
 
