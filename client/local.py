@@ -60,7 +60,7 @@ class LocalServer:
     def stop(self, *, graceful: bool = True) -> int:
         """SIGTERM (drain, then exit) or SIGKILL; returns the exit status. A server that
         does not exit 0 after SIGTERM raises, with the end of its log (a stop that hangs
-        prints every thread's stack there, `pergrad.server.main.STOP_SLACK_S`)."""
+        prints every thread's stack there, `pergrad.server.serve.STOP_SLACK_S`)."""
         if self.process.poll() is not None:
             return self.process.returncode
         (self.process.terminate if graceful else self.process.kill)()

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import tomllib
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from collections.abc import Iterator
@@ -22,6 +24,12 @@ from pergrad.server.main import RunningServer, start
 from tests.helpers import KERAS_MODEL_NAME, loopback_config, tabular_model
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def package_dir() -> dict[str, str]:
+    """Import name -> folder, as pyproject.toml maps them (setup.py ships what they hold)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return config["tool"]["setuptools"]["package-dir"]
 
 
 # What a copy of the checkout for building leaves out: git's, the environments', and

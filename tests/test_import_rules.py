@@ -17,20 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, package_dir
 
 TENSORFLOW = ("tensorflow", "keras")
 
 
 def _sources() -> dict[str, Path]:
     """Import name -> file of every module under the folders pyproject maps."""
-    import tomllib
-
-    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"
-    ]
     found = {}
-    for name, folder in package_dir.items():
+    for name, folder in package_dir().items():
         for path in (ROOT / folder).rglob("*.py"):
             parts = path.relative_to(ROOT / folder).with_suffix("").parts
             module = ".".join((name, *parts)).removesuffix(".__init__")

@@ -6,25 +6,19 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-import tomllib
 from packaging.requirements import Requirement
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, package_dir
 
 # Folders that never ship; every other top-level folder holding a package must be mapped.
 NOT_SHIPPED = {"tests", "benchmarks", "examples", "deploy", "build", "dist"}
-
-
-def _package_dir() -> dict[str, str]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return config["tool"]["setuptools"]["package-dir"]
 
 
 def _source_files() -> dict[str, Path]:
     """Wheel path -> source file of every file under the mapped folders (modules, the
     .proto files, their descriptors) but Python's caches."""
     expected = {}
-    for name, folder in _package_dir().items():
+    for name, folder in package_dir().items():
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts:
                 relative = path.relative_to(ROOT / folder).as_posix()
@@ -61,7 +55,7 @@ def test_wheel_holds_nothing_but_pergrad_and_its_metadata(wheel: Path) -> None:
 
 def test_every_top_level_package_folder_is_mapped() -> None:
     """A component folder added without a package-dir line would silently not ship."""
-    mapped = {Path(folder).parts[0] for folder in _package_dir().values()}
+    mapped = {Path(folder).parts[0] for folder in package_dir().values()}
     folders = {
         folder.name
         for folder in ROOT.iterdir()
