@@ -305,18 +305,42 @@ def test_projection_memory_stays_bounded_whatever_seeds_callers_send() -> None:
     assert grown < 300, f"RSS grew by {grown:.0f} MB over 4 seeds"
 
 
-def test_idle_metrics_connections_take_no_thread_beyond_the_bound(
-    fresh_server, monkeypatch
-) -> None:
-    monkeypatch.setattr(metrics_http._QuietHandler, "timeout", 1.0)
-    before = threading.active_count()
-    idle = [socket.create_connection(("127.0.0.1", fresh_server.metrics_port)) for _ in range(60)]
-    time.sleep(0.5)
-    assert threading.active_count() - before <= metrics_http.MAX_CONNECTIONS
-    time.sleep(1.5)  # the idle ones time out and free their slots
-    assert "pergrad_weights_version" in scrape(fresh_server.metrics_port)
-    for connection in idle:
-        connection.close()
+def _trickle(port: int, count: int, stop: threading.Event) -> None:
+    """`count` connections to /metrics, each sending one byte of a request head every
+    0.5 s and reopened when the endpoint closes it, until `stop`."""
+    connections: list[socket.socket | None] = [None] * count
+    while not stop.is_set():
+        for i, connection in enumerate(connections):
+            try:
+                if connection is None:
+                    connection = connections[i] = socket.create_connection(("127.0.0.1", port))
+                connection.sendall(b"G")
+            except OSError:
+                connection.close()
+                connections[i] = None
+        stop.wait(0.5)
+    for connection in connections:
+        if connection is not None:
+            connection.close()
+
+
+def test_trickling_metrics_connections_never_starve_a_scraper(fresh_server) -> None:
+    """More connections than the endpoint keeps, each sending a byte every 0.5 s: every
+    scrape of seven is answered, each well within a request's deadline."""
+    stop = threading.Event()
+    count = metrics_http.MAX_CONNECTIONS + 16
+    attack = threading.Thread(target=_trickle, args=(fresh_server.metrics_port, count, stop))
+    attack.start()
+    try:
+        time.sleep(1.0)
+        for _ in range(7):
+            started = time.monotonic()
+            assert "pergrad_weights_version" in scrape(fresh_server.metrics_port)
+            assert time.monotonic() - started < metrics_http.REQUEST_TIMEOUT_S
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        attack.join(timeout=30)
 
 
 def test_unseeded_noise_over_the_wire_is_fresh_every_call(client: GradientClient) -> None:
