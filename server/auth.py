@@ -5,8 +5,9 @@ call every method but SetWeights. Blank lines and lines starting with `#` are sk
 A call presents its token as metadata `authorization: Bearer <token>`; a missing or
 unknown token ends it with UNAUTHENTICATED, a read-only token calling SetWeights with
 PERMISSION_DENIED. Health and reflection stay open, so probes need no token. A refused
-call ends at once, before its request is read or its handler looked up: it holds no worker
-waiting for a request and no stream's place (`guard`).
+call ends at once, before its request is read or its handler looked up, on the threads
+kept for refusals (`handlers.refusal`): it waits behind no busy worker and holds no worker,
+no place in the queue and no stream's place (`guard`).
 
 Tokens are compared as SHA-256 digests with `hmac.compare_digest`, every known token
 each time, so the time a check takes tells nothing about which bytes matched.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import grpc
@@ -91,9 +92,17 @@ def as_request_stream(
     )
 
 
+# Refusals (a missing token, a limit reached) end their call at once with an abort: they
+# run on threads of their own, so a refused call never waits in the queue behind workers
+# busy computing, holding a place there that an admitted call needs.
+_REFUSALS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pergrad-refuse")
+
+
 def refusal(declared: Kind, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
     """A handler for a method of kind `declared` whose `behavior` ends the call at once
-    (aborts), reading no request: served as request-streaming, so gRPC reads none first."""
+    (aborts), reading no request: served as request-streaming, so gRPC reads none first,
+    on the refusals' threads."""
+    behavior.experimental_thread_pool = _REFUSALS
     response_streaming = _STREAMING[declared][1]
     return _declared_as(kind(True, response_streaming).factory(behavior), declared)
 

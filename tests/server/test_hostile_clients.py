@@ -203,6 +203,29 @@ def test_calls_that_never_send_their_request_hold_no_worker_with_or_without_a_to
         running.stop(0)
 
 
+def test_calls_without_a_valid_token_are_refused_while_every_worker_is_busy(
+    tmp_path: Path,
+) -> None:
+    """Both workers held by a token holder's silent calls: calls with no token or a wrong
+    one are refused UNAUTHENTICATED at once, on threads of their own, instead of waiting
+    in the queue behind the workers (and, beyond its places, RESOURCE_EXHAUSTED)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    running = _start(workers=2, max_queued_calls=4, stall_timeout_s=60, auth_token_file=tokens)
+    token, wrong = (("authorization", "Bearer secret"),), (("authorization", "Bearer guess"),)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            held = [_idle_stream(channel, SERVICE + "ListModels", token) for _ in range(2)]
+            _until(running.metrics_port, "grpc_server_started_total", "ListModels", at_least=2)
+            for metadata in [None, wrong] * 24:
+                call = _idle_stream(channel, SERVICE + "GetModelInfo", metadata, timeout=5)
+                assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
+            for call in held:
+                call.cancel()
+    finally:
+        running.stop(0)
+
+
 @pytest.mark.parametrize("count", [0, 2])
 def test_a_call_to_a_method_taking_one_request_must_send_exactly_one(server, count) -> None:
     request = pb.ListModelsRequest().SerializeToString()
