@@ -10,16 +10,20 @@ response) holds its worker for as long as the client likes. This interceptor:
   wire, `handlers.as_request_stream`) and reads that request itself, so that waiting for
   it is timed too (gRPC would read it before any handler runs, for as long as it takes);
   a call that ends with no request, or sends a second, is INVALID_ARGUMENT;
-- admits at most `max_streams` request-streaming calls at once (StreamPerExampleGradients,
-  SetWeights), and at most `max_open_streams` of the open services' (reflection);
-- runs every call to an open service (health, reflection) on a pool of its own, with
-  PROBE_THREADS beyond its streams' for health: a caller without a token cannot reach
-  the workers;
+- admits every call itself, as it arrives, against places of its kind, each given back
+  when its call ends: `max_calls` calls to the service (running or waiting for a
+  worker), of which `max_streams` request streams (StreamPerExampleGradients,
+  SetWeights); `max_open_calls` calls to the open services (health, reflection), of
+  which `max_open_streams` reflection streams; `max_watch_streams` health Watch streams.
+  Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED, on the refusals'
+  threads. gRPC's own limit (`maximum_concurrent_rpcs`) lies above the sum, so it never
+  refuses a call the guard admitted, and no place needs to expire;
+- runs every call to an open service on a pool of its own, a thread per place: a caller
+  without a token cannot reach the workers, nor make a health check wait. An open call
+  arriving when every place is taken takes the place of the one that has waited on its
+  client longest (cancelled): callers that send nothing cannot lock out those that do;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
-  they then hold no thread; at most `max_watch_streams` are open at once (each counts
-  toward gRPC's `maximum_concurrent_rpcs`, which the server raises by that many).
-Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED. The number of calls
-waiting for a worker is bounded by gRPC itself (`maximum_concurrent_rpcs`).
+  they then hold no thread and give their open-service place back.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,9 +51,7 @@ from pergrad.wire.rpc import OPEN_SERVICES, split_method
 _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
 _STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
-# Threads of the open services' pool beyond `max_open_streams`: health checks, and Watch
-# requests, are answered while reflection streams are open.
-PROBE_THREADS = 2
+_ENDED = "{method}: cancelled while its request was awaited"
 
 
 class _Waits:
@@ -96,44 +97,69 @@ class _Waits:
                 context.cancel()
 
 
-class _Slots:
-    """Streams admitted at once: running ones, and ones admitted whose handler has not
-    started yet (reservations, forgotten after RESERVATION_S in case gRPC refused the call
-    itself after this interceptor ran)."""
+class _Place:
+    """One admitted call's place: given back once, when the call ends (or when it is
+    evicted); while its call waits on its client it is `waiting` with its context."""
 
-    RESERVATION_S = 10.0
+    def __init__(self, places: _Places) -> None:
+        self._places = places
+        self.context: grpc.ServicerContext | None = None
 
-    def __init__(self, limit: int) -> None:
+    def hold_until_done(self, context: grpc.ServicerContext) -> None:
+        """Give the place back when the call ends (at once if it has ended already)."""
+        if not context.add_callback(self.give_back):
+            self.give_back()
+
+    def waiting(self, context: grpc.ServicerContext | None) -> None:
+        """The call waits on its client (`context`), or no longer (None)."""
+        self._places.mark_waiting(self, context)
+
+    def give_back(self) -> None:
+        self._places.give_back(self)
+
+
+class _Places:
+    """Calls of one kind admitted and not yet ended, at most `limit`. A place is taken as
+    the call arrives (gRPC's poll thread) and given back when it ends. gRPC runs the
+    handler of every call the guard admits (its own limit lies above the sum of the
+    guard's, `CallGuard.admitted_at_most`), so no place is lost and none needs to expire.
+    With `evict`, a call arriving at the limit takes the place of the one that has waited
+    on its client longest, which is cancelled: callers that send nothing cannot lock out
+    those that do."""
+
+    def __init__(self, limit: int, *, evict: bool = False) -> None:
         self.limit = limit
-        self._running = 0
-        self._reserved: deque[float] = deque()
+        self._evict = evict
+        self._held: set[_Place] = set()
+        self._waiting: dict[_Place, grpc.ServicerContext] = {}  # oldest first
         self._lock = threading.Lock()
 
-    def reserve(self) -> bool:
-        now = time.monotonic()
+    def take(self) -> _Place | None:
+        evicted = None
         with self._lock:
-            while self._reserved and now - self._reserved[0] > self.RESERVATION_S:
-                self._reserved.popleft()
-            if self._running + len(self._reserved) >= self.limit:
-                return False
-            self._reserved.append(now)
-            return True
+            if len(self._held) >= self.limit:
+                if not (self._evict and self._waiting):
+                    return None
+                oldest = next(iter(self._waiting))
+                evicted = self._waiting.pop(oldest)
+                self._held.discard(oldest)
+            place = _Place(self)
+            self._held.add(place)
+        if evicted is not None:
+            evicted.cancel()
+        return place
 
-    def start(self) -> None:
+    def mark_waiting(self, place: _Place, context: grpc.ServicerContext | None) -> None:
         with self._lock:
-            if self._reserved:
-                self._reserved.popleft()
-            self._running += 1
+            if context is None:
+                self._waiting.pop(place, None)
+            elif place in self._held:
+                self._waiting[place] = context
 
-    def end(self) -> None:
+    def give_back(self, place: _Place) -> None:
         with self._lock:
-            self._running -= 1
-
-    def start_until_done(self, context: grpc.ServicerContext) -> None:
-        """Start, and end when the call ends."""
-        self.start()
-        if not context.add_callback(self.end):  # it has ended already
-            self.end()
+            self._held.discard(place)
+            self._waiting.pop(place, None)
 
 
 class CallGuard(grpc.ServerInterceptor):
@@ -141,17 +167,22 @@ class CallGuard(grpc.ServerInterceptor):
         self,
         *,
         stall_timeout_s: float,
+        max_calls: int,
         max_streams: int,
+        max_open_calls: int,
         max_open_streams: int,
         max_watch_streams: int,
         on_stall: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
-        self._slots = {False: _Slots(max_streams), True: _Slots(max_open_streams)}
-        self._watches = _Slots(max_watch_streams)
+        self._calls = _Places(max_calls)
+        self._streams = _Places(max_streams)
+        self._open = _Places(max_open_calls, evict=True)
+        self._open_streams = _Places(max_open_streams)
+        self._watches = _Places(max_watch_streams)
+        self.admitted_at_most = max_calls + max_open_calls + max_watch_streams
         self._open_pool = ThreadPoolExecutor(
-            max_workers=max_open_streams + PROBE_THREADS,
-            thread_name_prefix="pergrad-open",
+            max_workers=max_open_calls, thread_name_prefix="pergrad-open"
         )
 
     def close(self) -> None:
@@ -163,47 +194,109 @@ class CallGuard(grpc.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        """Runs on gRPC's polling thread as the call arrives: a stream over its limit is
-        refused here, by a handler that takes a worker for an instant, never the slot."""
+        """Runs on gRPC's polling thread as the call arrives: it takes the call's places
+        or refuses it here, by a handler on the refusals' threads (`handlers.refusal`)."""
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
         open_service = split_method(method)[0] in OPEN_SERVICES
         behavior = behavior_of(handler)
-        if not handler.request_streaming:
-            watch = getattr(behavior, "experimental_non_blocking", False)
-            if watch and not self._watches.reserve():
-                return refusal(declared_kind_of(handler), _refuse(self._watches.limit))
-            guarded = self._one_request(
-                behavior, method, handler.response_streaming, self._watches if watch else None
-            )
-        elif getattr(behavior, "experimental_non_blocking", False):
-            return handler
-        else:
-            slots = self._slots[open_service]
-            if not slots.reserve():
-                return refusal(declared_kind_of(handler), _refuse(slots.limit))
-            guarded = self._stream(behavior, method, handler.response_streaming, slots)
+        non_blocking = getattr(behavior, "experimental_non_blocking", False)
+        if non_blocking and handler.request_streaming:
+            return handler  # none is served; it could not be read under the stall timer
+        watch = non_blocking
+        kinds = [self._open if open_service else self._calls]
+        if watch:
+            kinds.append(self._watches)
+        elif handler.request_streaming:
+            kinds.append(self._open_streams if open_service else self._streams)
+        places = self._take(kinds)
+        if places is None:
+            return refusal(declared_kind_of(handler), _refuse(open_service))
+        guarded = self._guarded(behavior, method, handler, places, watch, open_service)
         if open_service:
             guarded.experimental_thread_pool = self._open_pool
         if handler.request_streaming:
             return replaced(handler, guarded)
         return as_request_stream(handler, guarded)
 
+    @staticmethod
+    def _take(kinds: list[_Places]) -> list[_Place] | None:
+        """A place of each kind, or none at all."""
+        taken: list[_Place] = []
+        for places in kinds:
+            place = places.take()
+            if place is None:
+                for held in taken:
+                    held.give_back()
+                return None
+            taken.append(place)
+        return taken
+
+    def _guarded(
+        self,
+        behavior: Callable[..., Any],
+        method: str,
+        handler: grpc.RpcMethodHandler,
+        places: list[_Place],
+        watch: bool,
+        open_service: bool,
+    ) -> Callable[..., Any]:
+        """The call's behaviour, holding its places until it ends (a Watch gives its
+        open-service place back once its request is read: then it holds no thread)."""
+        waiting = places[0] if open_service else None
+        if watch:
+
+            def handle_watch(
+                iterator: Iterator[Any], context: grpc.ServicerContext, send: Callable[..., None]
+            ) -> None:
+                for place in places:
+                    place.hold_until_done(context)
+                request = self._request(iterator, context, method, waiting)
+                places[0].give_back()
+                return behavior(request, context, send)
+
+            handle_watch.experimental_non_blocking = True
+            return handle_watch
+
+        def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            for place in places:
+                place.hold_until_done(context)
+            if handler.request_streaming:
+                result = behavior(self._requests(iterator, context, method, waiting), context)
+            else:
+                result = behavior(self._request(iterator, context, method, waiting), context)
+            if handler.response_streaming:
+                return self._responses(result, context, method)
+            return result
+
+        return handle
+
     def _requests(
-        self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str
+        self,
+        iterator: Iterator[Any],
+        context: grpc.ServicerContext,
+        method: str,
+        waiting: _Place | None = None,
     ) -> Iterator[Any]:
-        """The requests, each waited for under the stall timer. A call cancelled as stalled
-        ends CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
+        """The requests, each waited for under the stall timer (and, with `waiting`, as a
+        call that may be evicted meanwhile). A call cancelled as stalled or evicted ends
+        CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
         which the handler would take for the client's end)."""
         while True:
             token = self._waits.start(context, method)
+            if waiting is not None:
+                waiting.waiting(context)
             try:
                 item = next(iterator, _NOTHING)
             finally:
+                if waiting is not None:
+                    waiting.waiting(None)
                 if not self._waits.end(token):
                     context.abort(grpc.StatusCode.CANCELLED, _STALLED.format(method=method))
+                if not context.is_active():  # evicted, or ended by its client
+                    context.abort(grpc.StatusCode.CANCELLED, _ENDED.format(method=method))
             if item is _NOTHING:
                 return
             yield item
@@ -218,9 +311,15 @@ class CallGuard(grpc.ServerInterceptor):
             finally:
                 self._waits.end(token)
 
-    def _request(self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str) -> Any:
+    def _request(
+        self,
+        iterator: Iterator[Any],
+        context: grpc.ServicerContext,
+        method: str,
+        waiting: _Place | None = None,
+    ) -> Any:
         """The one request of a call to a method that takes one (then the client's end)."""
-        requests = self._requests(iterator, context, method)
+        requests = self._requests(iterator, context, method, waiting)
         try:
             request = next(requests, _NOTHING)
             more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
@@ -235,52 +334,14 @@ class CallGuard(grpc.ServerInterceptor):
             )
         return request
 
-    def _one_request(
-        self,
-        behavior: Callable[..., Any],
-        method: str,
-        response_streaming: bool,
-        watches: _Slots | None,
-    ) -> Callable[..., Any]:
-        """A request-streaming behavior running `behavior` with the call's one request;
-        a non-blocking one holds one of `watches` until its call ends."""
-        if watches is not None:
 
-            def handle_non_blocking(
-                iterator: Iterator[Any], context: grpc.ServicerContext, send: Callable[..., None]
-            ) -> None:
-                watches.start_until_done(context)
-                return behavior(self._request(iterator, context, method), context, send)
+def _refuse(open_service: bool) -> Callable[..., Any]:
+    what = "calls to health and reflection" if open_service else "such calls"
 
-            handle_non_blocking.experimental_non_blocking = True
-            return handle_non_blocking
-
-        def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            result = behavior(self._request(iterator, context, method), context)
-            return self._responses(result, context, method) if response_streaming else result
-
-        return handle
-
-    def _stream(
-        self,
-        behavior: Callable[..., Any],
-        method: str,
-        response_streaming: bool,
-        slots: _Slots,
-    ) -> Callable[..., Any]:
-        def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            slots.start_until_done(context)
-            result = behavior(self._requests(iterator, context, method), context)
-            return self._responses(result, context, method) if response_streaming else result
-
-        return handle
-
-
-def _refuse(limit: int) -> Callable[..., Any]:
     def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"this server keeps at most {limit} such streams open at once; "
+            f"this server has as many {what} as it admits at once; "
             "retry later or on another replica",
         )
 

@@ -27,11 +27,16 @@ from pergrad.server.tls import server_credentials
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
-# Reflection streams open at once, on a pool of their own (`CallGuard`).
+# Calls to the open services (health, reflection; no token needed) at once, each on a
+# thread of their own pool (`CallGuard`), of which reflection streams.
+OPEN_CALLS = 8
 OPEN_STREAMS = 2
-# Health Watch streams open at once (they hold no thread, only a place among the calls
-# gRPC admits); more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
+# Health Watch streams open at once (they hold no thread once their request is read);
+# more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
 WATCH_STREAMS = 16
+# gRPC's own limit lies this far above the calls the guard admits: refusals, which end at
+# once on threads of their own, use it; gRPC refuses none of the guard's.
+REFUSALS_ROOM = 64
 
 
 def configure_devices() -> None:
@@ -106,7 +111,9 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
     guard = CallGuard(
         stall_timeout_s=config.stall_timeout_s,
+        max_calls=config.workers + config.max_queued_calls,
         max_streams=config.max_streams,
+        max_open_calls=OPEN_CALLS,
         max_open_streams=OPEN_STREAMS,
         max_watch_streams=WATCH_STREAMS,
         on_stall=metrics.call_stalled,
@@ -145,9 +152,7 @@ def _start_grpc(
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config), guard],
         options=server_options(config),
-        maximum_concurrent_rpcs=(
-            config.workers + config.max_queued_calls + OPEN_STREAMS + WATCH_STREAMS
-        ),
+        maximum_concurrent_rpcs=guard.admitted_at_most + REFUSALS_ROOM,
     )
     add_to_server(GradientServicer(registry, config, metrics, coalescers), server)
     health_servicer = HealthService()

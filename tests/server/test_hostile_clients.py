@@ -21,8 +21,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
-from pergrad.server.guard import PROBE_THREADS
-from pergrad.server.main import OPEN_STREAMS, WATCH_STREAMS, RunningServer, build_registry, start
+from pergrad.server.main import (
+    OPEN_CALLS,
+    OPEN_STREAMS,
+    WATCH_STREAMS,
+    RunningServer,
+    build_registry,
+    start,
+)
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
@@ -89,9 +95,9 @@ SILENT = ("ListModels", "GetModelInfo", "ComputePerExampleGradients", "GetWeight
 HEALTH = "/grpc.health.v1.Health/"
 
 
-def _check(channel: grpc.Channel) -> int:
+def _check(channel: grpc.Channel, timeout: float = 30) -> int:
     reply = channel.unary_unary(HEALTH + "Check", response_deserializer=_HealthReply)(
-        b"", timeout=30
+        b"", timeout=timeout
     )
     return reply.status
 
@@ -156,7 +162,7 @@ def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers(
             time.sleep(0.3)
             assert _list_models(channel, timeout=30) == ["mnist_mlp"]
             assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * len(SILENT)
-            names = ["Check", "Watch"] * (OPEN_STREAMS + PROBE_THREADS)
+            names = ["Check", "Watch"] * (OPEN_CALLS // 2)
             probes = [_idle_stream(channel, HEALTH + name, timeout=60) for name in names]
             time.sleep(0.3)
             assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
@@ -221,6 +227,46 @@ def test_calls_without_a_valid_token_are_refused_while_every_worker_is_busy(
                 call = _idle_stream(channel, SERVICE + "GetModelInfo", metadata, timeout=5)
                 assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
             for call in held:
+                call.cancel()
+    finally:
+        running.stop(0)
+
+
+def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
+    """70 health Checks that never send their request (no token needed), beyond the open
+    services' places and gRPC's admission besides: each new call takes the place of the
+    silent one that has waited longest, so an honest probe is answered at once, and the
+    other calls, admitted on places of their own, too (before: the honest probe waited
+    ~55 s, and every call was RESOURCE_EXHAUSTED while the silent ones were queued)."""
+    running = _start(workers=2, max_queued_calls=4, stall_timeout_s=60)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            silent = [_idle_stream(channel, HEALTH + "Check", timeout=60) for _ in range(70)]
+            _until(running.metrics_port, "grpc_server_started_total", "Check", at_least=70)
+            assert _check(channel, timeout=5) == health_pb2.HealthCheckResponse.SERVING
+            assert _list_models(channel, timeout=5) == ["mnist_mlp"]
+            evicted = [_code(call) for call in silent[:-OPEN_CALLS]]
+            assert evicted == [grpc.StatusCode.CANCELLED] * (70 - OPEN_CALLS)
+            for call in silent:
+                call.cancel()
+    finally:
+        running.stop(0)
+
+
+def test_stream_places_are_held_until_their_calls_end_however_long_they_queue() -> None:
+    """Both workers held: the streams admitted wait for a worker; however long they wait,
+    no more than `max_streams` are ever admitted (places were once reservations that
+    expired after 10 s, and 20 streams got in with a limit of 4)."""
+    running = _start(workers=2, max_streams=1, max_queued_calls=8, stall_timeout_s=60)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            held = [_idle_stream(channel, SERVICE + "ListModels") for _ in range(2)]
+            _until(running.metrics_port, "grpc_server_started_total", "ListModels", at_least=2)
+            queued = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
+            time.sleep(11)  # past the reservations' old expiry
+            late = _idle_stream(channel, SERVICE + "StreamPerExampleGradients", timeout=5)
+            assert _code(late) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for call in [*held, queued]:
                 call.cancel()
     finally:
         running.stop(0)
