@@ -21,7 +21,8 @@ response) holds its worker for as long as the client likes. This interceptor:
 - runs every call to an open service on a pool of its own, a thread per place: a caller
   without a token cannot reach the workers, nor make a health check wait. An open call
   arriving when every place is taken takes the place of the one that has waited on its
-  client longest (cancelled): callers that send nothing cannot lock out those that do;
+  client longest, for EVICTABLE_AFTER_S at least (cancelled): callers that send nothing
+  cannot lock out those that do;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
   they then hold no thread and give their open-service place back.
 """
@@ -52,6 +53,8 @@ _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
 _STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
 _ENDED = "{method}: cancelled while its request was awaited"
+# An open call waiting this long on its client may lose its place to a new one.
+EVICTABLE_AFTER_S = 0.5
 
 
 class _Waits:
@@ -103,7 +106,10 @@ class _Place:
 
     def __init__(self, places: _Places) -> None:
         self._places = places
-        self.context: grpc.ServicerContext | None = None
+        self.since = 0.0
+
+    def waited(self, seconds: float) -> bool:
+        return time.monotonic() - self.since >= seconds
 
     def hold_until_done(self, context: grpc.ServicerContext) -> None:
         """Give the place back when the call ends (at once if it has ended already)."""
@@ -124,8 +130,9 @@ class _Places:
     handler of every call the guard admits (its own limit lies above the sum of the
     guard's, `CallGuard.admitted_at_most`), so no place is lost and none needs to expire.
     With `evict`, a call arriving at the limit takes the place of the one that has waited
-    on its client longest, which is cancelled: callers that send nothing cannot lock out
-    those that do."""
+    on its client longest, if for EVICTABLE_AFTER_S at least, which is cancelled: callers
+    that send nothing cannot lock out those that do, and a call whose request is on its
+    way is never cut off by one that arrived just after it."""
 
     def __init__(self, limit: int, *, evict: bool = False) -> None:
         self.limit = limit
@@ -138,9 +145,9 @@ class _Places:
         evicted = None
         with self._lock:
             if len(self._held) >= self.limit:
-                if not (self._evict and self._waiting):
+                oldest = next(iter(self._waiting), None)
+                if not self._evict or oldest is None or not oldest.waited(EVICTABLE_AFTER_S):
                     return None
-                oldest = next(iter(self._waiting))
                 evicted = self._waiting.pop(oldest)
                 self._held.discard(oldest)
             place = _Place(self)
@@ -154,6 +161,7 @@ class _Places:
             if context is None:
                 self._waiting.pop(place, None)
             elif place in self._held:
+                place.since = time.monotonic()
                 self._waiting[place] = context
 
     def give_back(self, place: _Place) -> None:

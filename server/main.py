@@ -29,7 +29,7 @@ from pergrad.wire.rpc import SERVICE_NAME
 _LOGGER = logging.getLogger(__name__)
 # Calls to the open services (health, reflection; no token needed) at once, each on a
 # thread of their own pool (`CallGuard`), of which reflection streams.
-OPEN_CALLS = 8
+OPEN_CALLS = 16
 OPEN_STREAMS = 2
 # Health Watch streams open at once (they hold no thread once their request is read);
 # more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
