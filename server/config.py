@@ -174,7 +174,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="result bytes being produced at once; more is refused with RESOURCE_EXHAUSTED",
     )
     parser.add_argument("--chunk-bytes", default=_env("CHUNK_BYTES", d.chunk_bytes))
-    parser.add_argument("--workers", default=_env("WORKERS", d.workers), help="concurrent RPCs")
+    parser.add_argument(
+        "--workers",
+        default=_env("WORKERS", d.workers),
+        help="calls computing at once (each call admitted also has a thread of its own)",
+    )
     parser.add_argument(
         "--max-queued-calls",
         default=_env("MAX_QUEUED_CALLS", d.max_queued_calls),

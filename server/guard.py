@@ -1,8 +1,12 @@
 """Keeping idle and slow callers from holding the server's capacity.
 
-A sync gRPC server runs each call in a worker thread; a call that waits on its client
-(a request that never comes, a stream that sends no next request, a client that reads no
-response) holds its worker for as long as the client likes. This interceptor:
+A sync gRPC server runs each call in a thread; a call that waits on its client (a
+request that never comes, a stream that sends no next request, a client that reads no
+response) holds its thread for as long as the client likes. So every call admitted gets
+a thread of its own at once, and computing takes one of `workers` permits besides: a
+call to the service takes one only once its request has arrived (a stream, as it
+starts), so callers that send nothing hold threads and places, never the workers, and
+never make a call whose request has arrived wait for them. This interceptor:
 - cancels a call that has waited on its client for `stall_timeout_s` (time the handler
   spends computing does not count: only waiting for a request, or for gRPC to send a
   response, which the client's reading paces);
@@ -55,6 +59,8 @@ _STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
 _ENDED = "{method}: cancelled while its request was awaited"
 # An open call waiting this long on its client may lose its place to a new one.
 EVICTABLE_AFTER_S = 0.5
+# How often a call waiting for a worker's permit looks whether it has ended.
+PERMIT_POLL_S = 0.5
 
 
 class _Waits:
@@ -175,6 +181,7 @@ class CallGuard(grpc.ServerInterceptor):
         self,
         *,
         stall_timeout_s: float,
+        workers: int,
         max_calls: int,
         max_streams: int,
         max_open_calls: int,
@@ -184,6 +191,7 @@ class CallGuard(grpc.ServerInterceptor):
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
         self._calls = _Places(max_calls)
+        self._permits = threading.Semaphore(workers)
         self._streams = _Places(max_streams)
         self._open = _Places(max_open_calls, evict=True)
         self._open_streams = _Places(max_open_streams)
@@ -268,13 +276,18 @@ class CallGuard(grpc.ServerInterceptor):
             handle_watch.experimental_non_blocking = True
             return handle_watch
 
+        permits = None if open_service else self._permits
+
         def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
             for place in places:
                 place.hold_until_done(context)
             if handler.request_streaming:
+                _compute_permit(permits, context)
                 result = behavior(self._requests(iterator, context, method, waiting), context)
             else:
-                result = behavior(self._request(iterator, context, method, waiting), context)
+                request = self._request(iterator, context, method, waiting)
+                _compute_permit(permits, context)
+                result = behavior(request, context)
             if handler.response_streaming:
                 return self._responses(result, context, method)
             return result
@@ -341,6 +354,19 @@ class CallGuard(grpc.ServerInterceptor):
                 grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request, got {many}"
             )
         return request
+
+
+def _compute_permit(permits: threading.Semaphore | None, context: grpc.ServicerContext) -> None:
+    """Wait for one of the workers' permits, held until the call ends (FIFO enough: the
+    semaphore wakes waiters in turn); a call that ends meanwhile waits no longer."""
+    if permits is None:
+        return
+    while not permits.acquire(timeout=PERMIT_POLL_S):
+        if not context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended while it waited for a worker")
+    if not context.add_callback(permits.release):
+        permits.release()
+        context.abort(grpc.StatusCode.CANCELLED, "the call ended while it waited for a worker")
 
 
 def _refuse(open_service: bool) -> Callable[..., Any]:

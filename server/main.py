@@ -111,6 +111,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
     guard = CallGuard(
         stall_timeout_s=config.stall_timeout_s,
+        workers=config.workers,
         max_calls=config.workers + config.max_queued_calls,
         max_streams=config.max_streams,
         max_open_calls=OPEN_CALLS,
@@ -148,7 +149,9 @@ def _start_grpc(
     coalescers: Coalescers,
 ) -> tuple[grpc.Server, HealthService, int]:
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers),
+        # A thread per call admitted: waiting for a request takes one; computing takes
+        # one of the guard's --workers permits besides (`CallGuard`).
+        futures.ThreadPoolExecutor(max_workers=config.workers + config.max_queued_calls),
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config), guard],
         options=server_options(config),

@@ -254,6 +254,33 @@ def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
         running.stop(0)
 
 
+def test_calls_that_never_send_their_request_hold_no_worker_from_honest_calls(
+    tmp_path: Path,
+) -> None:
+    """A read-only token's 24 gradients calls that never send their request, on a server
+    of 2 workers: they hold threads and places, not the workers, so an honest call is
+    answered at once (before: the queued silent calls waited untimed, then a stall timeout
+    each on a worker: every honest call waited minutes)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\nreader:ro\n")
+    running = _start(workers=2, max_queued_calls=32, stall_timeout_s=60, auth_token_file=tokens)
+    reader = (("authorization", "Bearer reader"),)
+    x, y = batch_for((784,), 10, 4)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            method = SERVICE + "ComputePerExampleGradients"
+            silent = [_idle_stream(channel, method, reader, timeout=60) for _ in range(24)]
+            _until(running.metrics_port, "grpc_server_started_total", method.rsplit("/")[-1], 24)
+            with GradientClient(_target(running), token="secret", timeout=10) as client:
+                assert client.list_models() == ["mnist_mlp"]
+                result = client.per_example_gradients("mnist_mlp", x, y, reduction="norms")
+            assert result.norms.shape == (4,)
+            for call in silent:
+                call.cancel()
+    finally:
+        running.stop(0)
+
+
 def test_stream_places_are_held_until_their_calls_end_however_long_they_queue() -> None:
     """Both workers held: the streams admitted wait for a worker; however long they wait,
     no more than `max_streams` are ever admitted (places were once reservations that
