@@ -17,7 +17,8 @@ never make a call whose request has arrived wait for them. This interceptor:
 - admits every call itself, as it arrives, against places of its kind, each given back
   when its call ends: `max_calls` calls to the service (running or waiting for a
   worker), of which `max_streams` request streams (StreamPerExampleGradients,
-  SetWeights); `max_open_calls` calls to the open services (health, reflection), of
+  SetWeights), `per_caller_streams` per token where the server has tokens;
+  `max_open_calls` calls to the open services (health, reflection), of
   which `max_open_streams` reflection streams; `max_watch_streams` health Watch streams.
   Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED, on the refusals'
   threads. gRPC's own limit (`maximum_concurrent_rpcs`) lies above the sum, so it never
@@ -43,6 +44,7 @@ from typing import Any
 
 import grpc
 
+from pergrad.server.auth import bearer_token
 from pergrad.server.handlers import (
     as_request_stream,
     behavior_of,
@@ -187,12 +189,16 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_calls: int,
         max_open_streams: int,
         max_watch_streams: int,
+        per_caller_streams: int | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
         self._calls = _Places(max_calls)
         self._permits = threading.Semaphore(workers)
         self._streams = _Places(max_streams)
+        self._per_caller_streams = per_caller_streams
+        self._caller_streams: dict[str, _Places] = {}
+        self._callers_lock = threading.Lock()
         self._open = _Places(max_open_calls, evict=True)
         self._open_streams = _Places(max_open_streams)
         self._watches = _Places(max_watch_streams)
@@ -227,6 +233,9 @@ class CallGuard(grpc.ServerInterceptor):
             kinds.append(self._watches)
         elif handler.request_streaming:
             kinds.append(self._open_streams if open_service else self._streams)
+            caller = self._caller_streams_of(handler_call_details, open_service)
+            if caller is not None:
+                kinds.append(caller)
         places = self._take(kinds)
         if places is None:
             return refusal(declared_kind_of(handler), _refuse(open_service))
@@ -236,6 +245,19 @@ class CallGuard(grpc.ServerInterceptor):
         if handler.request_streaming:
             return replaced(handler, guarded)
         return as_request_stream(handler, guarded)
+
+    def _caller_streams_of(
+        self, details: grpc.HandlerCallDetails, open_service: bool
+    ) -> _Places | None:
+        """The stream places of the call's token (known: the token check ran first), when
+        the server has tokens; without them callers have no identity to share by."""
+        if self._per_caller_streams is None or open_service:
+            return None
+        token = bearer_token(details.invocation_metadata) or ""
+        with self._callers_lock:
+            if token not in self._caller_streams:
+                self._caller_streams[token] = _Places(self._per_caller_streams)
+            return self._caller_streams[token]
 
     @staticmethod
     def _take(kinds: list[_Places]) -> list[_Place] | None:

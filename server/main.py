@@ -117,6 +117,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         max_open_calls=OPEN_CALLS,
         max_open_streams=OPEN_STREAMS,
         max_watch_streams=WATCH_STREAMS,
+        per_caller_streams=None if config.auth_token_file is None else per_token_streams(config),
         on_stall=metrics.call_stalled,
     )
     coalescers = Coalescers(
@@ -139,6 +140,12 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         endpoint.port,
     )
     return RunningServer(server, port, health_servicer, metrics, endpoint, guard, coalescers)
+
+
+def per_token_streams(config: Config) -> int:
+    """The request streams one token may hold at once: half of --max-streams (at least
+    one), so that one caller cannot stop everyone's weight updates and streams."""
+    return max(1, config.max_streams // 2)
 
 
 def _start_grpc(

@@ -281,6 +281,37 @@ def test_calls_that_never_send_their_request_hold_no_worker_from_honest_calls(
         running.stop(0)
 
 
+def test_one_token_cannot_take_every_stream_place(tmp_path: Path) -> None:
+    """A read-only token opening idle streams gets half of --max-streams; the rest stay for
+    other tokens, and a weight update goes through (before: one reader held all four and
+    every SetWeights was refused for as long as it liked)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\nreader:ro\n")
+    running = _start(workers=6, max_streams=4, stall_timeout_s=60, auth_token_file=tokens)
+    reader = (("authorization", "Bearer reader"),)
+    method = SERVICE + "StreamPerExampleGradients"
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            idle = []
+            for count in range(1, 3):
+                idle.append(_idle_stream(channel, method, reader, timeout=60))
+                _until(
+                    running.metrics_port,
+                    "grpc_server_started_total",
+                    "StreamPerExampleGradients",
+                    count,
+                )
+            refused = _idle_stream(channel, method, reader, timeout=10)
+            assert _code(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with GradientClient(_target(running), token="secret", timeout=10) as writer:
+                version, weights = writer.get_weights("mnist_mlp")
+                assert writer.set_weights("mnist_mlp", weights) == version + 1
+            for call in idle:
+                call.cancel()
+    finally:
+        running.stop(0)
+
+
 def test_stream_places_are_held_until_their_calls_end_however_long_they_queue() -> None:
     """Both workers held: the streams admitted wait for a worker; however long they wait,
     no more than `max_streams` are ever admitted (places were once reservations that
