@@ -198,6 +198,16 @@ def dict_features():
     return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def computed_ids():
+    """Ids a layer computes (float features cast to int), then an embedding: no input
+    feeds the embedding, so only the engine's probe (`engine.ids`) checks its ids."""
+    features = keras.Input((3,), name="features")
+    ids = L.Lambda(lambda t: keras.ops.cast(t, "int32"), name="to_ids")(features)
+    embedded = L.Flatten()(L.Embedding(VOCABULARY, 4, embeddings_initializer=normal(91))(ids))
+    model = keras.Model(features, dense(3, 92)(embedded), name="computed_ids")
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
 def dict_attention():
     """A dict of inputs, token ids and a 0/1 padding mask: attention over the unpadded
     keys only, then the mean over the unpadded steps. No residual path: padded steps
@@ -402,6 +412,10 @@ def _dict_attention_batch(model, size):
     return {"ids": ids, "mask": mask}, classes(size, 3, seed=14)
 
 
+def _computed_ids_batch(model, size):
+    return tokens(size, 17, length=3).astype(np.float32), classes(size, 3)
+
+
 def _dict_batch(model, size):
     x = {
         "numeric": gaussian((5,), size),
@@ -459,6 +473,7 @@ FAMILIES: dict[str, Family] = {
         transformer_encoder, _transformer_batch, ruled=False, jit_compile="auto"
     ),
     "dict_features": Family(dict_features, _dict_batch, ruled=True, size=5),
+    "computed_ids": Family(computed_ids, _computed_ids_batch, ruled=True, jit_compile=True),
     "dict_attention": Family(dict_attention, _dict_attention_batch, ruled=True, size=4),
     "lstm_text": Family(lstm_text, _text_batch, ruled=True, jit_compile="auto"),
     "gru_pooled": Family(gru_pooled, _text_batch, ruled=True),

@@ -31,6 +31,7 @@ from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batc
 from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
 from pergrad.server.engine.compiled import CompiledPass, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter
+from pergrad.server.engine.ids import ComputedIds
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.reductions import ReductionRegistry, default_reductions
@@ -138,6 +139,7 @@ class Engine:
         self.loss_dtype = np.dtype(model_output.dtype)
         self.num_parameters = sum(int(np.prod(v.shape)) for v in self.variables)
         self.plan = make_plan(model, registry or default_registry())
+        self._computed_ids = ComputedIds(model)
         self._pass = CompiledPass(
             model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
         )
@@ -208,7 +210,10 @@ class Engine:
     def batch(self, x: Any, y: Any, *, cast_dtypes: bool = True) -> Batch:
         """(x, y) cast to the model's dtypes (unless `cast_dtypes=False`: then they must
         be exactly those) and checked: a batch the model can take."""
-        return make_batch(x, y, self.input_specs, self.label_spec, cast_dtypes=cast_dtypes)
+        batch = make_batch(x, y, self.input_specs, self.label_spec, cast_dtypes=cast_dtypes)
+        if self._computed_ids:
+            self._computed_ids.check(batch)
+        return batch
 
     def select(self, variables: Sequence[str] | None) -> tuple[VariableSpec, ...]:
         """The named variables in model order (all for None); unknown names are refused."""

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
+from pergrad.server.engine import Engine
 from pergrad.server.guard import EVICTABLE_AFTER_S
 from pergrad.server.main import (
     OPEN_CALLS,
@@ -30,11 +32,14 @@ from pergrad.server.main import (
     build_registry,
     start,
 )
+from pergrad.server.models.registry import ModelRegistry, ServedModel
+from pergrad.server.weights import WeightsStore
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
 from tests.helpers import batch_for, loopback_config
 from tests.prometheus import sample_value, scrape
+from tests.zoo import FAMILIES, VOCABULARY
 
 SERVICE = "/pergrad.v1.GradientService/"
 _HealthReply = health_pb2.HealthCheckResponse.FromString
@@ -551,6 +556,46 @@ def test_replicas_with_the_same_weights_report_the_same_identity(model_dir: Path
             running.stop(0)
     assert infos[0].weights_id == infos[1].weights_id and len(infos[0].weights_id) == 32
     assert infos[0].plan_id == infos[1].plan_id and infos[0].plan == infos[1].plan
+
+
+def test_computed_ids_outside_the_table_fail_their_caller_alone() -> None:
+    """An embedding behind a layer, XLA on: one caller's ids past the table, beside eight
+    honest callers whose requests share passes. Each honest caller gets the result it gets
+    alone; the bad one INVALID_ARGUMENT (before: most neighbours got INTERNAL, or results
+    computed from another row)."""
+    model, loss = FAMILIES["computed_ids"].build()
+    engine = Engine(model, loss=loss, jit_compile=True)
+    served = ServedModel(
+        "computed_ids", engine, WeightsStore(engine.variables, engine.initial_weights())
+    )
+    running = start(loopback_config("mnist_mlp"), ModelRegistry([served]))
+    rng = np.random.default_rng(0)
+    honest = [
+        (rng.integers(0, VOCABULARY, (4, 3)).astype(np.float32), rng.integers(0, 3, 4))
+        for _ in range(8)
+    ]
+    bad = np.full((4, 3), VOCABULARY, np.float32)
+    try:
+        with GradientClient(_target(running)) as client:
+            alone = [
+                client.per_example_gradients("computed_ids", x, y, reduction="norms")
+                for x, y in honest
+            ]
+            with ThreadPoolExecutor(9) as pool:
+                calls = [
+                    pool.submit(
+                        client.per_example_gradients, "computed_ids", x, y, reduction="norms"
+                    )
+                    for x, y in [*honest[:4], (bad, np.zeros(4, int)), *honest[4:]]
+                ]
+                with pytest.raises(PergradError) as refused:
+                    calls[4].result()
+                shared = [call.result() for call in calls[:4] + calls[5:]]
+    finally:
+        running.stop(0)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for one, together in zip(alone, shared, strict=True):
+        np.testing.assert_array_equal(together.norms, one.norms)
 
 
 @pytest.mark.parametrize(("ids", "examples"), [([[5, 1000]], [0]), ([[3, 4], [-1, 2]], [1])])

@@ -1,0 +1,75 @@
+"""Embedding ids a model computes, checked before the pass, wherever the embedding sits.
+
+`batch.make_batch` checks an input that feeds an embedding directly. An embedding behind
+other layers (ids cast, hashed or sliced from an input) sees ids no input check reaches,
+and an id outside its table does not fail cleanly in the pass: under XLA the lookup
+clamps it to another row, without XLA Keras wraps a negative id to the end of the table,
+and an id past the end fails deep in TensorFlow. So each such embedding gets a probe, the
+model's own graph from its inputs to the embedding's ids, run on the batch first; an
+example whose ids fall outside the table is refused by name, and, since the check runs per
+request, never reaches a pass it would share with other callers.
+
+The probe runs with the model's own weights (layers that compute ids hold none in
+practice). An embedding the outer graph cannot reach (inside a nested model called on an
+inner tensor) gets no probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import numpy as np
+
+from pergrad.server.engine.batch import Batch
+from pergrad.server.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class _Probe:
+    layer: str
+    ids_below: int
+    ids_of: keras.Model  # the model's inputs -> this embedding's ids
+
+
+class ComputedIds:
+    """The probes of a model's embeddings whose ids a layer computes."""
+
+    def __init__(self, model: keras.Model) -> None:
+        self._single = len(model.inputs) == 1
+        self._probes = tuple(_probes(model))
+
+    def __bool__(self) -> bool:
+        return bool(self._probes)
+
+    def check(self, batch: Batch) -> None:
+        """InvalidArgument naming the examples whose computed ids fall outside a table."""
+        inputs = batch.xs[0] if self._single else list(batch.xs)
+        for probe in self._probes:
+            ids = np.asarray(probe.ids_of(inputs, training=False))
+            outside = ((ids < 0) | (ids >= probe.ids_below)).reshape(len(ids), -1).any(axis=1)
+            if outside.any():
+                bad = np.flatnonzero(outside)
+                raise InvalidArgument(
+                    f"inputs: examples {bad[:10].tolist()} give embedding {probe.layer!r} ids "
+                    f"outside [0, {probe.ids_below}) (its table's rows)"
+                )
+
+
+def _probes(model: keras.Model) -> list[_Probe]:
+    probes = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if not isinstance(layer, keras.layers.Embedding):
+            continue
+        for node in layer._inbound_nodes:
+            ids = node.input_tensors[0]
+            if any(ids is tensor for tensor in model.inputs):
+                continue  # an input: make_batch checks it
+            try:
+                probe = keras.Model(
+                    model.inputs[0] if len(model.inputs) == 1 else model.inputs, ids
+                )
+            except ValueError:  # not reachable from the model's inputs
+                continue
+            probes.append(_Probe(layer.name, layer.input_dim, probe))
+    return probes
