@@ -15,13 +15,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pergrad.client import GradientClient
-from pergrad.server.config import Config
-from pergrad.server.main import RunningServer, start
-from tests.helpers import KERAS_MODEL_NAME, loopback_config, tabular_model
+
+if TYPE_CHECKING:
+    from pergrad.server.main import RunningServer
+
+# xdist's controller imports this file too and runs no test: what loads TensorFlow (7 s
+# here, before any worker starts) is imported inside the fixtures that need it.
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,19 +81,26 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.helpers import KERAS_MODEL_NAME, tabular_model
+
     directory = tmp_path_factory.mktemp("models")
     tabular_model().save(directory / f"{KERAS_MODEL_NAME}.keras")
     return directory
 
 
-def _config(model_dir: Path, *models: str) -> Config:
-    return loopback_config(*models, model_dir=model_dir, max_batch=512)
+def _start(model_dir: Path, *models: str) -> RunningServer:
+    from pergrad.server.main import start
+    from tests.helpers import loopback_config
+
+    return start(loopback_config(*models, model_dir=model_dir, max_batch=512))
 
 
 @pytest.fixture(scope="session")
 def server(model_dir: Path) -> Iterator[RunningServer]:
     """One server for read-only tests: both built-ins and the .keras model."""
-    running = start(_config(model_dir, "mnist_mlp", "mnist_cnn", f"{KERAS_MODEL_NAME}.keras"))
+    from tests.helpers import KERAS_MODEL_NAME
+
+    running = _start(model_dir, "mnist_mlp", "mnist_cnn", f"{KERAS_MODEL_NAME}.keras")
     yield running
     running.stop(0)
 
@@ -97,7 +108,7 @@ def server(model_dir: Path) -> Iterator[RunningServer]:
 @pytest.fixture()
 def fresh_server(model_dir: Path) -> Iterator[RunningServer]:
     """A server of its own for tests that change weights."""
-    running = start(_config(model_dir, "mnist_mlp"))
+    running = _start(model_dir, "mnist_mlp")
     yield running
     running.stop(0)
 
