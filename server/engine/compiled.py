@@ -105,6 +105,8 @@ class CompiledPass:
         self._auto = jit_compile == "auto"
         self.slice_cap = 1
         self.choice = "XLA on" if jit_compile is True else "XLA off"
+        # (with XLA, without), seconds: the medians that decided, where "auto" timed both.
+        self.medians: tuple[float, float] | None = None
         self._functions: dict[tuple[bool, int | None, InPass | None], FlatCall] = {}
         self._use(jit_compile is True)
 
@@ -176,6 +178,7 @@ class CompiledPass:
                 self._use(xla)
                 times[xla].append(_seconds(self, weights, xs, y))
         with_xla, without = (statistics.median(times[k]) for k in (True, False))
+        self.medians = (with_xla, without)
         self._use(with_xla < XLA_MARGIN * without)
         self.choice = (
             f"XLA {'on' if self.xla else 'off'}: {1000 * with_xla:.1f} ms with, "

@@ -171,6 +171,12 @@ class Engine:
         return hashlib.blake2b(self.plan_text.encode(), digest_size=6).hexdigest()
 
     @property
+    def xla_medians(self) -> tuple[float, float] | None:
+        """(with XLA, without), seconds: the medians that decided where jit_compile="auto"
+        timed both (the summary shows them rounded); else None."""
+        return self._pass.medians
+
+    @property
     def summary(self) -> str:
         """What the engine does for this model, as the server logs it."""
         return (
