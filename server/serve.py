@@ -21,6 +21,7 @@ _LOGGER = logging.getLogger(__name__)
 # A stop still under way this long after its grace ends prints every thread's stack and
 # exits 1: a server told to stop never hangs, and a hang leaves its cause in the log.
 STOP_SLACK_S = 20.0
+WAKE_S = 0.5
 
 
 def _refused(err: Exception) -> int:
@@ -50,7 +51,11 @@ def serve(argv: Sequence[str]) -> int:
         running = start(config)
     except (ConfigError, ModelLoadError, OSError) as err:
         return _refused(err)
-    stopping.wait()
+    # Python runs a signal's handler in the main thread only when that thread runs; the
+    # kernel may deliver SIGTERM to any of the server's threads, and a wait without a
+    # timeout would then never end. So the main thread wakes every WAKE_S to look.
+    while not stopping.wait(WAKE_S):
+        pass
     _LOGGER.info("draining for up to %.1f s", config.grace_s)
     faulthandler.dump_traceback_later(config.grace_s + STOP_SLACK_S, exit=True)
     running.stop(config.grace_s)

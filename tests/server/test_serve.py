@@ -129,6 +129,34 @@ def test_sigterm_while_starting_drains_and_exits_zero() -> None:
     assert "stopped" in log[-1], "".join(log)
 
 
+SIGNAL_TO_ANOTHER_THREAD = """
+import signal, sys, threading, time
+from pergrad.server import serve
+
+def aim():
+    # Once the server has started (its stall watcher runs), SIGTERM goes to this thread,
+    # as the kernel may deliver it to any thread of the process.
+    while not any(t.name == "pergrad-stalls" for t in threading.enumerate()):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+threading.Thread(target=aim, daemon=True).start()
+sys.exit(serve.serve(sys.argv[1:]))
+"""
+
+
+def test_sigterm_delivered_to_another_thread_still_drains() -> None:
+    """Before: the main thread waited for the stop without a timeout, so a SIGTERM the
+    kernel handed to another thread was never acted on, and the server hung (found as a
+    loaded run's LocalServer killed after 60 s with no "draining" line in its log)."""
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace", "0"]
+    command = [sys.executable, "-c", SIGNAL_TO_ANOTHER_THREAD, *flags, "--model", "mnist_mlp"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "draining" in done.stderr and "stopped" in done.stderr
+
+
 HANGING_STOP = """
 import sys, threading
 from pergrad.server import main, serve
