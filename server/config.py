@@ -58,6 +58,11 @@ class Config:
             derived = self.port + METRICS_PORT_OFFSET if self.port else 0
             object.__setattr__(self, "metrics_port", derived)
 
+    @property
+    def max_calls(self) -> int:
+        """Calls to the service admitted at once: computing, or waiting for a worker."""
+        return self.workers + self.max_queued_calls
+
     def validate(self) -> Config:
         for flag, port in [("--port", self.port), ("--metrics-port", self.metrics_port)]:
             if not 0 <= port <= 65535:

@@ -112,7 +112,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     guard = CallGuard(
         stall_timeout_s=config.stall_timeout_s,
         workers=config.workers,
-        max_calls=config.workers + config.max_queued_calls,
+        max_calls=config.max_calls,
         max_streams=config.max_streams,
         max_open_calls=OPEN_CALLS,
         max_open_streams=OPEN_STREAMS,
@@ -158,7 +158,7 @@ def _start_grpc(
     server = grpc.server(
         # A thread per call admitted: waiting for a request takes one; computing takes
         # one of the guard's --workers permits besides (`CallGuard`).
-        futures.ThreadPoolExecutor(max_workers=config.workers + config.max_queued_calls),
+        futures.ThreadPoolExecutor(max_workers=config.max_calls),
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config), guard],
         options=server_options(config),
