@@ -92,6 +92,14 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
+def caller_of(context: grpc.ServicerContext, tokens: bool) -> str:
+    """Whom a call's share is counted for: its token (as a digest) on a server with
+    tokens, else its connection, the only identity a caller without a token has."""
+    if tokens:
+        return _digest(bearer_token(context.invocation_metadata()) or "").hex()
+    return context.peer()
+
+
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Lets a call through only with a known bearer token (any call to an open service)."""
 

@@ -2,31 +2,44 @@
 
 Most of a shared server's requests are small (a DP trainer's batch of 64, an influence
 job's few hundred), and each engine pass has a fixed cost. Like an inference server's
-dynamic batcher, each model's `Coalescer` has one thread that takes the first request
-waiting, gathers those arriving within `window_s` (0 by default: those already waiting,
-so a lone request waits for nothing and those arriving during a pass share the next),
-and runs them together with `pergrad.server.engine.group.shared_rows`, one group per
-weights snapshot, in passes sized to what they hold (`group.same_bits_sizes`). Every
-request of fewer than `granule` examples takes this path, alone or not, so its result is
-the same to the bit whatever shares its pass.
+dynamic batcher, each model's `Coalescer` gathers the requests waiting (and, with
+`window_s`, those arriving within it; 0 by default, so a lone request waits for nothing
+and those arriving during a pass share a later one) and runs them together with
+`pergrad.server.engine.group.shared_rows`, one group per weights snapshot, in a pass
+sized to what it holds (`group.same_bits_sizes`). Every request of fewer than `granule`
+examples takes this path, alone or not, so its result is the same to the bit whatever
+shares its pass.
+
+A pass runs on the thread of one of its requests (its leader), which holds a worker's
+permit like any call that computes, and passes are shared fairly between callers (a
+token, or a connection on a server without tokens): a caller has at most one shared pass
+running at a time, and its other requests wait for it to end; a model runs at most
+`LANES` shared passes at once; a pass takes the waiting requests of callers with none
+running, the least recently served caller first, one request per caller in turn. So
+a caller sending expensive small requests holds one lane, and another caller's request
+starts in the other at once instead of queueing behind it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, Rows, packs, same_bits_sizes, shared_rows
+from pergrad.server.engine.group import Job, Rows, same_bits_sizes, shared_rows
+from pergrad.server.errors import Cancelled
 from pergrad.server.weights import Snapshot
 from pergrad.wire.results import GradientResult
 
 _LOGGER = logging.getLogger(__name__)
+# Shared passes of one model running at once: one caller's, and another's beside it.
+LANES = 2
+# How often a request waiting for a pass looks whether its call has ended.
+POLL_S = 0.5
 
 
 def granule_for(engine: Engine, max_coalesced_batch: int) -> int:
@@ -36,15 +49,29 @@ def granule_for(engine: Engine, max_coalesced_batch: int) -> int:
     return 1 << (bound.bit_length() - 1)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pending:
     job: Job
     snapshot: Snapshot
-    done: Future = field(default_factory=Future)
+    caller: str
+    rows: Rows | None = None
+    error: Exception | None = None
+    taken: bool = False
+    done: bool = False
+    # Arrival order, to keep each caller's requests in the order they came.
+    order: int = field(default=0)
+
+    def key(self) -> tuple:
+        """What requests sharing a pass have in common: the weights, and each input's
+        and the labels' example shape and dtype (a model may take any sequence length,
+        and a pass stacks its requests' examples)."""
+        batch = self.job.batch
+        shapes = tuple((a.shape[1:], a.dtype.str) for a in (*batch.xs, batch.y))
+        return self.snapshot.version, self.snapshot.weights_id, shapes
 
 
 class Coalescer:
-    """One model's batcher thread; `compute` blocks its caller until the result is ready."""
+    """One model's shared passes; `compute` blocks its caller until its result is ready."""
 
     def __init__(
         self,
@@ -67,86 +94,141 @@ class Coalescer:
         self._engine = engine
         self._window_s = window_s
         self._on_pass = on_pass
-        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"coalescer-{name}", daemon=True)
-        self._thread.start()
+        self._changed = threading.Condition()
+        self._waiting: list[_Pending] = []  # arrival order
+        self._lanes = 0  # shared passes running
+        self._running: set[str] = set()  # callers with a request in one of them
+        self._served: dict[str, int] = {}  # caller -> the pass that last served it
+        self._passes = itertools.count(1)
+        self._arrivals = itertools.count()
+        self._gathering = False
 
     def takes(self, size: int) -> bool:
         """Whether a request of `size` examples goes through shared passes: one that
         fills a pass could share it with no one, and runs alone (its reduction in the pass)."""
         return size < self.granule
 
-    def compute(self, job: Job, snapshot: Snapshot) -> GradientResult:
+    def compute(self, job: Job, snapshot: Snapshot, caller: str = "") -> GradientResult:
         """The job's result (its sink's), its rows computed in a shared pass, then reduced
-        here, on the caller's thread, beside the other callers (a reduction's numpy work
-        and noise would queue everyone on the batcher thread); its errors raised here."""
-        pending = _Pending(job, snapshot)
-        self._queue.put(pending)
-        rows: Rows = pending.done.result()
-        return rows.into(job.sink)
+        here, on the caller's thread, beside the other callers; its errors raised here."""
+        pending = _Pending(job, snapshot, caller, order=next(self._arrivals))
+        group = self._wait_or_lead(pending)
+        if group:
+            self._run(group)
+        if pending.error is not None:
+            raise pending.error
+        assert pending.rows is not None
+        return pending.rows.into(job.sink)
 
     def close(self) -> None:
-        """Finish the requests already queued, then stop the thread."""
-        self._queue.put(None)
-        self._thread.join()
+        """Wait for the requests already waiting or running to be answered."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._waiting and not self._lanes)
 
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            gathered, closing = self._gather(first)
-            for group in _by_snapshot(gathered):
-                self._compute(group)
-            if closing:
-                return
+    def _wait_or_lead(self, pending: _Pending) -> list[_Pending]:
+        """[] once another pass has answered `pending`; else the group `pending` leads."""
+        with self._changed:
+            self._waiting.append(pending)
+            self._changed.notify_all()
+            while not pending.done:
+                if not pending.taken and self._may_lead(pending.caller):
+                    return self._gather(pending)
+                self._changed.wait(POLL_S)
+                if not pending.taken and not pending.done and self._ended(pending):
+                    self._waiting.remove(pending)
+                    self._forget_if_idle(pending.caller)
+                    raise Cancelled("call cancelled or past its deadline before its pass")
+            return []
 
-    def _gather(self, first: _Pending) -> tuple[list[_Pending], bool]:
-        """`first` and the requests arriving within the window, until a pass is full."""
-        gathered, size = [first], first.job.batch.size
+    @staticmethod
+    def _ended(pending: _Pending) -> bool:
+        cancelled = pending.job.cancelled
+        return cancelled is not None and cancelled()
+
+    def _may_lead(self, caller: str) -> bool:
+        return not self._gathering and self._lanes < LANES and caller not in self._running
+
+    def _gather(self, leader: _Pending) -> list[_Pending]:
+        """The leader's pass: the waiting requests of callers with no pass running, within
+        the window, least recently served caller first (called and returning locked)."""
+        self._gathering = True
         deadline = time.monotonic() + self._window_s
-        while size < self.granule:
-            remaining = deadline - time.monotonic()
-            try:  # past the window, only what is already waiting
-                pending = self._queue.get(block=remaining > 0, timeout=max(remaining, 0))
-            except queue.Empty:
-                break
-            if pending is None:
-                return gathered, True
-            gathered.append(pending)
-            size += pending.job.batch.size
-        return gathered, False
+        while (remaining := deadline - time.monotonic()) > 0 and self._room(leader) > 0:
+            self._changed.wait(remaining)
+        group = self._fair_pick(leader)
+        self._gathering = False
+        number = next(self._passes)
+        self._lanes += 1
+        for pending in group:
+            pending.taken = True
+            self._waiting.remove(pending)
+            self._running.add(pending.caller)
+            self._served[pending.caller] = number
+        self._changed.notify_all()
+        return group
 
-    def _compute(self, group: list[_Pending]) -> None:
-        jobs = [p.job for p in group]
+    def _eligible(self, leader: _Pending) -> list[_Pending]:
+        """The waiting requests that may share the leader's pass: of callers with no pass
+        running, for the same weights, with examples of the same shapes."""
+        key = leader.key()
+        return [p for p in self._waiting if p.caller not in self._running and p.key() == key]
+
+    def _room(self, leader: _Pending) -> int:
+        return self.granule - sum(p.job.batch.size for p in self._eligible(leader))
+
+    def _fair_pick(self, leader: _Pending) -> list[_Pending]:
+        """The leader, then the other eligible requests one per caller in turn (callers
+        least recently served first) while they fit in one pass."""
+        queues: dict[str, list[_Pending]] = {}
+        for pending in self._eligible(leader):
+            if pending is not leader:
+                queues.setdefault(pending.caller, []).append(pending)
+        order = sorted(queues, key=lambda c: (self._served.get(c, 0), queues[c][0].order))
+        group, room = [leader], self.granule - leader.job.batch.size
+        for turn in itertools.count():
+            offered = [queues[c][turn] for c in order if turn < len(queues[c])]
+            if not offered:
+                break
+            for pending in offered:
+                if pending.job.batch.size <= room:
+                    group.append(pending)
+                    room -= pending.job.batch.size
+        return sorted(group, key=lambda p: p.order)
+
+    def _run(self, group: list[_Pending]) -> None:
+        """Run the leader's pass (unlocked), then answer every request in it."""
         try:
             outcomes = shared_rows(
                 self._engine,
-                jobs,
+                [p.job for p in group],
                 granule=self.granule,
                 sizes=self.sizes,
                 trainable=group[0].snapshot.trainable,
             )
-        except Exception as err:  # never lose the thread: every caller gets the error
+        except Exception as err:  # every request of the pass gets the error
             _LOGGER.exception("coalesced pass failed")
             outcomes = [err] * len(group)
+        with self._changed:
+            for pending, outcome in zip(group, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    pending.error = outcome
+                else:
+                    pending.rows = outcome
+                pending.done = True
+                self._running.discard(pending.caller)
+            self._lanes -= 1
+            for pending in group:
+                self._forget_if_idle(pending.caller)
+            self._changed.notify_all()
         if self._on_pass is not None:
-            for pack in packs([job.batch.size for job in jobs], self.granule):
-                self._on_pass(len(pack))
-        for pending, outcome in zip(group, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                pending.done.set_exception(outcome)
-            else:
-                pending.done.set_result(outcome)
+            self._on_pass(len(group))
 
-
-def _by_snapshot(gathered: list[_Pending]) -> list[list[_Pending]]:
-    """The gathered requests grouped by the weights they asked for, in arrival order."""
-    groups: dict[tuple[int, str], list[_Pending]] = {}
-    for pending in gathered:
-        key = (pending.snapshot.version, pending.snapshot.weights_id)
-        groups.setdefault(key, []).append(pending)
-    return list(groups.values())
+    def _forget_if_idle(self, caller: str) -> None:
+        """Drop what is kept of a caller with nothing waiting or running (callers come
+        and go with their connections: what is kept of them stays bounded)."""
+        if caller in self._running or any(p.caller == caller for p in self._waiting):
+            return
+        self._served.pop(caller, None)
 
 
 class Coalescers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -127,15 +128,17 @@ def responses(
     settings: Settings,
     cancelled: Callable[[], bool],
     coalescer: Coalescer | None = None,
+    caller: str = "",
 ) -> Iterator[pb.GradientsResponse | bytes]:
     """The response messages of `work`: a header, then pre-encoded chunk messages.
 
-    A small request shares passes with others (`coalescer`); a larger one streams full
-    gradients block by block, or computes its reduction alone.
+    A small request shares passes with others (`coalescer`, fairly between `caller`s); a
+    larger one streams full gradients block by block, or computes its reduction alone.
     """
     with admission.admit(work.batch.size, work.result_bytes):
         if coalescer is not None and coalescer.takes(work.batch.size):
-            parts = _whole_result(work, settings, lambda: _shared(work, coalescer, cancelled))
+            shared = partial(_shared, work, coalescer, cancelled, caller)
+            parts = _whole_result(work, settings, shared)
         elif work.asked.reduction.name == NONE:
             parts = _full_gradients(work, settings, cancelled)
         else:
@@ -174,8 +177,10 @@ def _alone(work: Work, cancelled: Callable[[], bool]) -> GradientResult:
     )
 
 
-def _shared(work: Work, coalescer: Coalescer, cancelled: Callable[[], bool]) -> GradientResult:
-    return coalescer.compute(Job(work.batch, _sink(work), cancelled), work.snapshot)
+def _shared(
+    work: Work, coalescer: Coalescer, cancelled: Callable[[], bool], caller: str
+) -> GradientResult:
+    return coalescer.compute(Job(work.batch, _sink(work), cancelled), work.snapshot, caller)
 
 
 def _finite(arrays: Sequence[np.ndarray]) -> None:

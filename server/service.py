@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from pergrad.server.admission import Admission
+from pergrad.server.auth import caller_of
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
@@ -183,6 +184,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             self._settings,
             cancelled=lambda: not context.is_active(),
             coalescer=coalescer,
+            caller=caller_of(context, self._config.auth_token_file is not None),
         )
 
 

@@ -464,10 +464,12 @@ FAMILIES: dict[str, Family] = {
     "cnn_batch_norm": Family(cnn_batch_norm, _class_batch((9, 9, 3), 4), ruled=True, size=4),
     # SeparableConv2D has no rule: its kernels take the generic route.
     "depthwise_separable": Family(depthwise_separable, _class_batch((8, 8, 3), 4), ruled=False),
+    # The keras.applications families: two examples (one clipped, one not), the fewest
+    # that tell examples apart, since their float64 oracle costs seconds an example.
     "mobilenet_v3_small": Family(
-        mobilenet_v3_small, _class_batch((32, 32, 3), 10), ruled=True, full=False
+        mobilenet_v3_small, _class_batch((32, 32, 3), 10), ruled=True, full=False, size=2
     ),
-    "resnet50": Family(resnet50, _class_batch((32, 32, 3), 10), ruled=True, full=False),
+    "resnet50": Family(resnet50, _class_batch((32, 32, 3), 10), ruled=True, full=False, size=2),
     # AddPositions (a custom layer) has no rule; everything else is ruled.
     "transformer_encoder": Family(
         transformer_encoder, _transformer_batch, ruled=False, jit_compile="auto"

@@ -24,6 +24,7 @@ from tests import oracle
 from tests.helpers import batch_for, loopback_config
 from tests.prometheus import sample_value, scrape
 from tests.release.every_reduction import OPTIONS
+from tests.zoo import FAMILIES, VOCABULARY
 
 MODEL = "mnist_mlp"
 WINDOW_MS = 400.0  # long: requests started together surely share, even on a loaded machine
@@ -195,3 +196,32 @@ def test_a_pass_is_the_largest_power_of_two_within_the_flag_and_the_slice(engine
     assert granule_for(engine, 100) == 64
     assert granule_for(engine, 1) == 1
     assert granule_for(engine, 1 << 30) == 1 << (engine.slice_size.bit_length() - 1)
+
+
+def test_requests_of_different_sequence_lengths_each_get_their_own_result() -> None:
+    """A model over sequences of any length: two callers' requests of lengths 5 and 9 at
+    once share no pass, and each gets its result alone (before: stacked into one pass,
+    which failed both)."""
+    model, loss = FAMILIES["stacked_lstm_any_length"].build()
+    engine = Engine(model, loss=loss, jit_compile=False)
+    coalescer = Coalescer(engine, window_s=WINDOW_MS / 1000, granule=8)
+    snapshot = WeightsStore(engine.variables, engine.initial_weights()).current
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.integers(1, VOCABULARY, (size, length)).astype(np.int32), rng.integers(0, 3, size))
+        for size, length in [(2, 5), (3, 9)]
+    ]
+
+    def compute(x: np.ndarray, y: np.ndarray, caller: str) -> GradientResult:
+        job = Job(engine.batch(x, y), engine.sink(len(y), reduction="norms"))
+        return coalescer.compute(job, snapshot, caller)
+
+    try:
+        alone = [compute(x, y, "one") for x, y in batches]
+        together = _together(
+            [lambda b=b, c=c: compute(*b, c) for b, c in zip(batches, "ab", strict=True)]
+        )
+    finally:
+        coalescer.close()
+    for got, want in zip(together, alone, strict=True):
+        _assert_identical(got, want)

@@ -15,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
@@ -32,6 +34,7 @@ from pergrad.server.main import (
     build_registry,
     start,
 )
+from pergrad.server.models.builtin import LOSS
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.weights import WeightsStore
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -756,3 +759,71 @@ def test_error_messages_quoting_huge_input_are_cut_short(client: GradientClient)
         client.per_example_gradients("m" * (1 << 20), x, y)
     assert err.value.code == grpc.StatusCode.NOT_FOUND
     assert len(err.value.message) <= 1100 and "more characters" in err.value.message
+
+
+SLEEP_PER_EXAMPLE_S = 0.005
+
+
+class Sleep(keras.layers.Layer):
+    """Sleeps SLEEP_PER_EXAMPLE_S per example of its batch: a pass whose cost is its size,
+    and which takes no CPU, so that the test measures queueing, not the machine's load."""
+
+    def call(self, x):
+        def sleep(batch):
+            time.sleep(SLEEP_PER_EXAMPLE_S * int(batch.shape[0]))
+            return batch
+
+        out = tf.py_function(sleep, [x], x.dtype)
+        out.set_shape(x.shape)
+        return out
+
+
+def _slow_model() -> ServedModel:
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3)(Sleep(name="sleep")(inputs))
+    engine = Engine(keras.Model(inputs, outputs), loss=LOSS, jit_compile=False)
+    return ServedModel("slow", engine, WeightsStore(engine.variables, engine.initial_weights()))
+
+
+def test_expensive_small_requests_of_one_token_do_not_queue_another(tmp_path: Path) -> None:
+    """Four clients of one read-only token keep a pass of 127 examples in flight each (just
+    under the coalescing size: 0.64 s a pass); another token's request of two examples
+    takes the other lane and is answered within one of their passes (before: behind the
+    queue of theirs on the model's one coalescer thread)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\nreader:ro\n")
+    config = loopback_config("mnist_mlp", auth_token_file=tokens)
+    running = start(config, ModelRegistry([_slow_model()]))
+    rng = np.random.default_rng(0)
+    heavy = rng.standard_normal((127, 4)).astype(np.float32), rng.integers(0, 3, 127)
+    light = rng.standard_normal((2, 4)).astype(np.float32), rng.integers(0, 3, 2)
+    stop = threading.Event()
+    passes = []
+
+    def attack() -> None:
+        with GradientClient(_target(running), token="reader", timeout=60) as client:
+            while not stop.is_set():
+                start_s = time.perf_counter()
+                client.per_example_gradients("slow", *heavy, reduction="norms")
+                passes.append(time.perf_counter() - start_s)
+
+    try:
+        with GradientClient(_target(running), token="secret", timeout=60) as honest:
+            honest.per_example_gradients("slow", *light, reduction="norms")  # warm
+            with ThreadPoolExecutor(4) as pool:
+                attackers = [pool.submit(attack) for _ in range(4)]
+                while len(passes) < 4:
+                    time.sleep(0.05)
+                latencies = []
+                for _ in range(5):
+                    start_s = time.perf_counter()
+                    honest.per_example_gradients("slow", *light, reduction="norms")
+                    latencies.append(time.perf_counter() - start_s)
+                stop.set()
+                for attacker in attackers:
+                    attacker.result()
+    finally:
+        stop.set()
+        running.stop(0)
+    one_pass = SLEEP_PER_EXAMPLE_S * 128
+    assert np.median(latencies) < one_pass, (latencies, passes)

@@ -171,9 +171,8 @@ def test_a_stop_that_hangs_prints_every_threads_stack_and_exits_1() -> None:
     command = [sys.executable, "-c", HANGING_STOP, *flags, "--model", "mnist_mlp"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
-        for line in process.stderr:
-            if READY.search(line):
-                break
+        ready = any(READY.search(line) for line in process.stderr)
+        assert ready, "the server exited before it served"
         process.send_signal(signal.SIGTERM)
         log = process.stderr.read()
         assert process.wait(timeout=60) == 1

@@ -12,6 +12,7 @@ README states: twice the float32 loop's own error where that exceeds the contrac
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -31,12 +32,17 @@ from tests.zoo import FAMILIES, Family
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _engine(family: Family, model: keras.Model, loss: Any) -> Engine:
-    """The engine on the model's compiled loss when it has one, else on `loss`."""
-    compiled = getattr(model, "loss", None)
-    return Engine(
+@functools.cache
+def _built(name: str) -> tuple[Family, keras.Model, Any, Engine]:
+    """A family's model, loss and engine, built once per test process: the tests below
+    only compute with them, and a model's engine traces for seconds."""
+    family = FAMILIES[name]
+    model, loss = family.build()
+    compiled = getattr(model, "loss", None)  # the engine takes the compiled loss if any
+    engine = Engine(
         model, loss=None if compiled is not None else loss, jit_compile=family.jit_compile
     )
+    return family, model, loss, engine
 
 
 def _check_route(engine: Engine, family: Family) -> None:
@@ -88,9 +94,7 @@ def _check_reductions(
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_matches_keras_oracle(name: str) -> None:
-    family = FAMILIES[name]
-    model, loss = family.build()
-    engine = _engine(family, model, loss)
+    family, model, loss, engine = _built(name)
     _check_route(engine, family)
     x, y = family.batch(model, family.size)
     losses, grads = oracle.per_example(model, loss, x, y)
@@ -110,19 +114,13 @@ def test_family_matches_keras_oracle(name: str) -> None:
 def test_list_and_dict_inputs_give_the_same_result() -> None:
     """The two-input transformer takes its inputs as a list in model order or as a dict
     by input name; the dict-input model as a dict or as a list in Keras' order."""
-    family = FAMILIES["transformer_encoder"]
-    model, loss = family.build()
-    engine = Engine(
-        model, loss=loss, jit_compile=True
-    )  # no timing: the inputs' forms are the point
+    family, model, _, engine = _built("transformer_encoder")
     (ids, mask), y = family.batch(model, 3)
     by_list = engine.per_example_gradients([ids, mask], y)
     by_name = engine.per_example_gradients({"ids": ids, "mask": mask}, y)
     assert_close(by_name.gradients, by_list.gradients)
 
-    family = FAMILIES["dict_features"]
-    model, loss = family.build()
-    engine = Engine(model, loss=loss, jit_compile=False)
+    family, model, _, engine = _built("dict_features")
     x, y = family.batch(model, 3)
     by_name = engine.per_example_gradients(x, y)
     by_list = engine.per_example_gradients([x["category"], x["numeric"]], y)
@@ -132,9 +130,7 @@ def test_list_and_dict_inputs_give_the_same_result() -> None:
 def test_float64_and_int64_batches_are_cast() -> None:
     """numpy's default dtypes reach the model as float32 and int32 and give the
     oracle's result on the float32 batch."""
-    family = FAMILIES["dict_features"]
-    model, loss = family.build()
-    engine = Engine(model, loss=loss, jit_compile=False)
+    family, model, loss, engine = _built("dict_features")
     x, y = family.batch(model, 5)
     wide = {k: v.astype(np.float64 if v.dtype.kind == "f" else np.int64) for k, v in x.items()}
     result = engine.per_example_gradients(wide, y.astype(np.int64))
