@@ -50,9 +50,14 @@ test: install system-deps lint
 mutants: install
 	$(PY) scripts/mutants.py
 
-# The long fuzz run: thousands of random requests of each kind against a live server.
+# The long fuzz run: thousands of random requests of each kind against a live server;
+# then every hostile-client attack, SOAK_ROUNDS times over, stopping at the first failure.
+SOAK_ROUNDS ?= 10
 soak: install
 	PERGRAD_FUZZ_EXAMPLES=3000 $(PY) -m pytest -q tests/server/test_fuzz.py
+	for round in $$(seq $(SOAK_ROUNDS)); do \
+	  $(PY) -m pytest -q -x -n $(TEST_WORKERS) tests/server/test_hostile_clients.py || exit 1; \
+	done
 
 # The one wheel users, the container images and the installed-package test all install.
 wheel: install

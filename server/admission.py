@@ -1,50 +1,87 @@
-"""Admission control: a bound on the examples and result bytes in flight at once.
+"""Admission control: a bound on the examples and bytes calls hold at once.
 
-A request over the bound is refused at once with RESOURCE_EXHAUSTED instead of queueing
-without limit or running the process out of memory; its client can retry later or
-elsewhere. A request that alone exceeds a bound could never run, and says so.
+A call holds its request's bytes from the moment it arrives (queued or computing) to its
+end, and its result's bytes and its examples while it computes. A caller (a token, or a
+connection without tokens) holding bytes already may hold at most half of the bytes in
+all: one call may take the whole budget, many calls of one caller cannot. A call over a
+bound is refused at once with RESOURCE_EXHAUSTED instead of queueing without limit or running the
+process out of memory; its client can retry later or elsewhere. A call that alone
+exceeds a bound could never run, and says so.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from pergrad.server.errors import ResourceExhausted
+
+_BOUNDS = "--max-inflight-examples, --max-inflight-bytes"
 
 
 class Admission:
     def __init__(self, *, max_examples: int, max_bytes: int) -> None:
         self._max_examples = max_examples
         self._max_bytes = max_bytes
+        self.caller_bytes = max(1, max_bytes // 2)
         self._examples = 0
         self._bytes = 0
+        self._by_caller: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @contextmanager
-    def admit(self, examples: int, nbytes: int) -> Iterator[None]:
-        """Hold `examples` and `nbytes` of the budget for the block, or refuse at once."""
+    def admit(
+        self, examples: int, nbytes: int, caller: str = "", request_bytes: int = 0
+    ) -> Iterator[None]:
+        """Hold `examples` and `nbytes` of result for the block, or refuse at once (the
+        call's own `request_bytes`, held already, are not another call's)."""
+        release = self._take(examples, nbytes, caller, "result bytes", request_bytes)
+        try:
+            yield
+        finally:
+            release()
+
+    def hold(self, nbytes: int, caller: str = "") -> Callable[[], None]:
+        """Hold a request's `nbytes` until the returned function is called, or refuse."""
+        return self._take(0, nbytes, caller, "request bytes")
+
+    def _take(
+        self, examples: int, nbytes: int, caller: str, what: str, own: int = 0
+    ) -> Callable[[], None]:
         if examples > self._max_examples or nbytes > self._max_bytes:
             raise ResourceExhausted(
-                f"request needs {examples} examples and {nbytes} result bytes; this server "
-                f"admits at most {self._max_examples} and {self._max_bytes} "
-                "(--max-inflight-examples, --max-inflight-bytes): send smaller batches"
+                f"call needs {examples} examples and {nbytes} {what}; this server admits "
+                f"at most {self._max_examples} and {self._max_bytes} ({_BOUNDS}): send "
+                "smaller batches"
             )
         with self._lock:
+            mine = self._by_caller.get(caller, 0)
+            if mine > own and mine + nbytes > self.caller_bytes:
+                raise ResourceExhausted(
+                    f"this caller's calls hold {mine} bytes, and with {nbytes} {what} more "
+                    f"would hold over half of --max-inflight-bytes ({self.caller_bytes}): "
+                    "wait for them to end"
+                )
             if (
                 self._examples + examples > self._max_examples
                 or self._bytes + nbytes > self._max_bytes
             ):
                 raise ResourceExhausted(
-                    f"server busy: {self._examples} examples and {self._bytes} result bytes "
-                    "in flight; retry later or on another replica"
+                    f"server busy: calls hold {self._examples} examples and {self._bytes} "
+                    f"bytes ({_BOUNDS}); retry later or on another replica"
                 )
             self._examples += examples
             self._bytes += nbytes
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._examples -= examples
-                self._bytes -= nbytes
+            self._by_caller[caller] = mine + nbytes
+        return lambda: self._give(examples, nbytes, caller)
+
+    def _give(self, examples: int, nbytes: int, caller: str) -> None:
+        with self._lock:
+            self._examples -= examples
+            self._bytes -= nbytes
+            left = self._by_caller[caller] - nbytes
+            if left:
+                self._by_caller[caller] = left
+            else:
+                del self._by_caller[caller]

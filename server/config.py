@@ -176,7 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-inflight-bytes",
         default=_env("MAX_INFLIGHT_BYTES", d.max_inflight_bytes),
-        help="result bytes being produced at once; more is refused with RESOURCE_EXHAUSTED",
+        help="bytes calls hold at once (requests from their arrival, results while "
+        "produced), a caller with calls held at most half; more is RESOURCE_EXHAUSTED",
     )
     parser.add_argument("--chunk-bytes", default=_env("CHUNK_BYTES", d.chunk_bytes))
     parser.add_argument(

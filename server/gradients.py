@@ -21,6 +21,7 @@ from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
 from pergrad.server.engine.sinks import Sink
 from pergrad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from pergrad.server.memory import in_flight
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
 from pergrad.server.weights import Snapshot
@@ -129,13 +130,16 @@ def responses(
     cancelled: Callable[[], bool],
     coalescer: Coalescer | None = None,
     caller: str = "",
+    held_bytes: int = 0,
 ) -> Iterator[pb.GradientsResponse | bytes]:
     """The response messages of `work`: a header, then pre-encoded chunk messages.
 
     A small request shares passes with others (`coalescer`, fairly between `caller`s); a
     larger one streams full gradients block by block, or computes its reduction alone.
+    `held_bytes`: the caller's bytes held for this request already (its message's).
     """
-    with admission.admit(work.batch.size, work.result_bytes):
+    priced = admission.admit(work.batch.size, work.result_bytes, caller, held_bytes)
+    with priced, in_flight():
         if coalescer is not None and coalescer.takes(work.batch.size):
             shared = partial(_shared, work, coalescer, cancelled, caller)
             parts = _whole_result(work, settings, shared)

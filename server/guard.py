@@ -13,7 +13,9 @@ never make a call whose request has arrived wait for them. This interceptor:
 - serves every method that takes one request as request-streaming (the same on the
   wire, `handlers.as_request_stream`) and reads that request itself, so that waiting for
   it is timed too (gRPC would read it before any handler runs, for as long as it takes);
-  a call that ends with no request, or sends a second, is INVALID_ARGUMENT;
+  a call that ends with no request, or sends a second, is INVALID_ARGUMENT; a call to
+  the service holds its request's bytes (`Admission.hold`) from then until it ends, so
+  calls queued for a worker are priced too;
 - admits every call itself, as it arrives, against places of its kind, each given back
   when its call ends: `max_calls` calls to the service (running or waiting for a
   worker), of which `max_streams` request streams (StreamPerExampleGradients,
@@ -43,8 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
-from pergrad.server.auth import bearer_token
+from pergrad.server.admission import Admission
+from pergrad.server.auth import bearer_token, caller_of
+from pergrad.server.errors import ResourceExhausted
 from pergrad.server.handlers import (
     as_request_stream,
     behavior_of,
@@ -190,9 +195,11 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_streams: int,
         max_watch_streams: int,
         per_caller_streams: int | None = None,
+        admission: Admission | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
+        self._admission = admission
         self._calls = _Places(max_calls)
         self._permits = threading.Semaphore(workers)
         self._streams = _Places(max_streams)
@@ -308,6 +315,8 @@ class CallGuard(grpc.ServerInterceptor):
                 result = behavior(self._requests(iterator, context, method, waiting), context)
             else:
                 request = self._request(iterator, context, method, waiting)
+                if not open_service:
+                    self._hold(request, context)
                 _compute_permit(permits, context)
                 result = behavior(request, context)
             if handler.response_streaming:
@@ -315,6 +324,19 @@ class CallGuard(grpc.ServerInterceptor):
             return result
 
         return handle
+
+    def _hold(self, request: Any, context: grpc.ServicerContext) -> None:
+        """Price the request's bytes from its arrival to the call's end (`Admission.hold`):
+        calls queued for a worker hold their requests too."""
+        if self._admission is None or not isinstance(request, Message):
+            return  # a malformed request kept none of its bytes; its handler refuses it
+        caller = caller_of(context, self._per_caller_streams is not None)
+        try:
+            release = self._admission.hold(request.ByteSize(), caller)
+        except ResourceExhausted as err:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        if not context.add_callback(release):
+            release()
 
     def _requests(
         self,

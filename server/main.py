@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from pergrad.server.admission import Admission
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
@@ -109,6 +110,9 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     for name in registry.names:
         metrics.model_served(name, registry.get(name).weights.current.version)
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
+    admission = Admission(
+        max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
+    )
     guard = CallGuard(
         stall_timeout_s=config.stall_timeout_s,
         workers=config.workers,
@@ -118,6 +122,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         max_open_streams=OPEN_STREAMS,
         max_watch_streams=WATCH_STREAMS,
         per_caller_streams=None if config.auth_token_file is None else per_token_streams(config),
+        admission=admission,
         on_stall=metrics.call_stalled,
     )
     coalescers = Coalescers(
@@ -126,7 +131,8 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         on_pass=metrics.coalesced_pass,
     )
     try:
-        server, health_servicer, port = _start_grpc(config, registry, metrics, guard, coalescers)
+        servicer = GradientServicer(registry, config, metrics, coalescers, admission)
+        server, health_servicer, port = _start_grpc(config, servicer, guard)
     except BaseException:
         guard.close()
         endpoint.close()
@@ -149,22 +155,18 @@ def per_token_streams(config: Config) -> int:
 
 
 def _start_grpc(
-    config: Config,
-    registry: ModelRegistry,
-    metrics: ServerMetrics,
-    guard: CallGuard,
-    coalescers: Coalescers,
+    config: Config, servicer: GradientServicer, guard: CallGuard
 ) -> tuple[grpc.Server, HealthService, int]:
     server = grpc.server(
         # A thread per call admitted: waiting for a request takes one; computing takes
         # one of the guard's --workers permits besides (`CallGuard`).
         futures.ThreadPoolExecutor(max_workers=config.max_calls),
         # Metrics outermost (they see every final status), then tokens, then the guard.
-        interceptors=[MetricsInterceptor(metrics), *_auth_interceptors(config), guard],
+        interceptors=[MetricsInterceptor(servicer.metrics), *_auth_interceptors(config), guard],
         options=server_options(config),
         maximum_concurrent_rpcs=guard.admitted_at_most + REFUSALS_ROOM,
     )
-    add_to_server(GradientServicer(registry, config, metrics, coalescers), server)
+    add_to_server(servicer, server)
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_reflection([SERVICE_NAME, HEALTH_SERVICE], server)

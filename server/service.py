@@ -47,12 +47,13 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         config: Config,
         metrics: ServerMetrics | None = None,
         coalescers: Coalescers | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._registry = registry
         self._config = config
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._coalescers = coalescers
-        self._admission = Admission(
+        self._admission = admission or Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
         self._settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
@@ -156,7 +157,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse]:
-        yield from tracked(self.metrics, request, self._gradients(request, context), context)
+        messages = self._gradients(request, context, held_bytes=request.ByteSize())
+        yield from tracked(self.metrics, request, messages, context)
 
     @status
     def StreamPerExampleGradients(
@@ -170,8 +172,10 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 raise type(err)(f"request {request.request_id}: {err}") from err
 
     def _gradients(
-        self, request: pb.GradientsRequest, context: grpc.ServicerContext
+        self, request: pb.GradientsRequest, context: grpc.ServicerContext, held_bytes: int = 0
     ) -> Iterator[pb.GradientsResponse | bytes]:
+        """The responses to one request; `held_bytes`: its message's, which the guard
+        holds from its arrival (a one-request call's; a stream's are not held)."""
         served = self._registry.get(request.model)
         work = prepare(served, request, self._settings)
         coalescer = None
@@ -185,6 +189,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             cancelled=lambda: not context.is_active(),
             coalescer=coalescer,
             caller=caller_of(context, self._config.auth_token_file is not None),
+            held_bytes=held_bytes,
         )
 
 

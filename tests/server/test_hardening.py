@@ -130,10 +130,12 @@ def test_malformed_set_weights_changes_nothing(small_server, case: str, message:
         assert client.get_weights("mnist_mlp")[0] == version
 
 
-def test_set_weights_racing_gradient_requests_never_tears(small_server) -> None:
-    """Every response equals the oracle's for exactly the weights version it reports."""
+def test_set_weights_racing_gradient_requests_never_tears(fresh_server) -> None:
+    """Every response equals the oracle's for exactly the weights version it reports (on
+    a server of default bounds: the four readers share one connection, so one caller,
+    whose calls may hold half of --max-inflight-bytes, which small_server's 8 MB is not)."""
     x, y = batch_for((784,), 10, 3, seed=4)
-    with GradientClient(_target(small_server)) as client:
+    with GradientClient(_target(fresh_server)) as client:
         base_version, base = client.get_weights("mnist_mlp")
     versions = {base_version: base}
     for k in range(1, 9):
@@ -143,7 +145,7 @@ def test_set_weights_racing_gradient_requests_never_tears(small_server) -> None:
     seen, failures = [], []
 
     def reader() -> None:
-        with GradientClient(_target(small_server)) as client:
+        with GradientClient(_target(fresh_server)) as client:
             for _ in range(25):
                 try:
                     seen.append(client.per_example_gradients("mnist_mlp", x, y))
@@ -151,7 +153,7 @@ def test_set_weights_racing_gradient_requests_never_tears(small_server) -> None:
                     failures.append(err)
 
     def writer() -> None:
-        with GradientClient(_target(small_server)) as client:
+        with GradientClient(_target(fresh_server)) as client:
             for k in range(1, 9):
                 client.set_weights("mnist_mlp", versions[base_version + k])
 

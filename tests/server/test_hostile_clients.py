@@ -233,7 +233,9 @@ def test_calls_without_a_valid_token_are_refused_while_every_worker_is_busy(
             held = [_idle_stream(channel, SERVICE + "ListModels", token) for _ in range(2)]
             _until(running.metrics_port, "grpc_server_started_total", "ListModels", at_least=2)
             for metadata in [None, wrong] * 24:
-                call = _idle_stream(channel, SERVICE + "GetModelInfo", metadata, timeout=5)
+                # 20 s: ample on a loaded machine (a refusal once took over 5 s there),
+                # and far below the 60 s the held calls would keep a queued one waiting.
+                call = _idle_stream(channel, SERVICE + "GetModelInfo", metadata, timeout=20)
                 assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
             for call in held:
                 call.cancel()
@@ -439,6 +441,44 @@ def test_projection_memory_stays_bounded_whatever_seeds_callers_send() -> None:
             )
         grown = (_rss_mb(server.process.pid) - before) / 1024
     assert grown < 300, f"RSS grew by {grown:.0f} MB over 4 seeds"
+
+
+def test_memory_returns_near_idle_after_a_burst_of_large_calls() -> None:
+    """Four `dot` calls at once, each a 46 MB request (2048 examples, 100 references of
+    the whole model): once they end, the server's RSS comes back within 80 MB of where
+    one such call left it (before: +160 MB, kept for the process's life; the C
+    heaps are trimmed once the server is idle, `server/memory.py`; measured +32 MB)."""
+    rng = np.random.default_rng(0)
+    x, y = batch_for((784,), 10, 2048)
+    with (
+        LocalServer("--model", "mnist_mlp", "--jit-compile", "off") as server,
+        GradientClient(server.target, timeout=300) as client,
+    ):
+        reference = {
+            v.name: rng.standard_normal((100, *v.shape)).astype(np.float32)
+            for v in client.model_info("mnist_mlp").variables
+        }
+
+        def dot(_: int = 0) -> None:
+            client.per_example_gradients("mnist_mlp", x, y, reduction="dot", reference=reference)
+
+        dot()
+        idle = _settled_rss_kb(server.process.pid)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(dot, range(4)))
+        grown = (_settled_rss_kb(server.process.pid) - idle) / 1024
+    assert grown < 80, f"RSS {grown:.0f} MB above its level after one call"
+
+
+def _settled_rss_kb(pid: int) -> int:
+    """The RSS once it has stopped falling for a second (the trim comes after 0.5 s idle)."""
+    last = _rss_mb(pid)
+    while True:
+        time.sleep(1.0)
+        now = _rss_mb(pid)
+        if now >= last:
+            return now
+        last = now
 
 
 def _trickle(port: int, count: int, stop: threading.Event) -> None:
@@ -778,8 +818,8 @@ class Sleep(keras.layers.Layer):
         return out
 
 
-def _slow_model() -> ServedModel:
-    inputs = keras.Input((4,))
+def _slow_model(features: int = 4) -> ServedModel:
+    inputs = keras.Input((features,))
     outputs = keras.layers.Dense(3)(Sleep(name="sleep")(inputs))
     engine = Engine(keras.Model(inputs, outputs), loss=LOSS, jit_compile=False)
     return ServedModel("slow", engine, WeightsStore(engine.variables, engine.initial_weights()))
@@ -790,9 +830,7 @@ def test_expensive_small_requests_of_one_token_do_not_queue_another(tmp_path: Pa
     under the coalescing size: 0.64 s a pass); another token's request of two examples
     takes the other lane and is answered within one of their passes (before: behind the
     queue of theirs on the model's one coalescer thread)."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("secret\nreader:ro\n")
-    config = loopback_config("mnist_mlp", auth_token_file=tokens)
+    config = loopback_config("mnist_mlp", auth_token_file=_tokens(tmp_path))
     running = start(config, ModelRegistry([_slow_model()]))
     rng = np.random.default_rng(0)
     heavy = rng.standard_normal((127, 4)).astype(np.float32), rng.integers(0, 3, 127)
@@ -827,3 +865,41 @@ def test_expensive_small_requests_of_one_token_do_not_queue_another(tmp_path: Pa
         running.stop(0)
     one_pass = SLEEP_PER_EXAMPLE_S * 128
     assert np.median(latencies) < one_pass, (latencies, passes)
+
+
+def _tokens(tmp_path: Path) -> Path:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\nreader:ro\n")
+    return tokens
+
+
+def test_requests_queued_for_a_worker_are_priced_per_caller(tmp_path: Path) -> None:
+    """One worker; a read-only token sends four requests of 0.8 MB at once, each a pass of
+    1 s: two are held (one computing, one queued: 1.6 MB), the other two would take that
+    token past half of --max-inflight-bytes (4 MB) and are refused at once, and another
+    token's request still gets in (before: all four queued, unpriced until a worker took
+    them)."""
+    config = loopback_config(
+        "mnist_mlp", auth_token_file=_tokens(tmp_path), workers=1, max_inflight_bytes=4_000_000
+    )
+    running = start(config, ModelRegistry([_slow_model(features=1000)]))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((200, 1000)).astype(np.float32), rng.integers(0, 3, 200)
+
+    def call(token: str) -> str:
+        with GradientClient(_target(running), token=token, timeout=60) as client:
+            try:
+                client.per_example_gradients("slow", x, y, reduction="norms")
+            except PergradError as err:
+                return f"{err.code.name}: {err.message}"
+            return "OK"
+
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            *reader, honest = pool.map(call, ["reader"] * 4 + ["secret"])
+    finally:
+        running.stop(0)
+    refused = [r for r in reader if r != "OK"]
+    assert len(refused) == 2, reader
+    assert all("RESOURCE_EXHAUSTED" in r and "half of --max-inflight-bytes" in r for r in refused)
+    assert honest == "OK"

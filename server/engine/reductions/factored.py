@@ -96,8 +96,21 @@ def dots(grad: Grad, reference: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """<grad_b, reference_k> for each example b and reference k: [n, K]."""
     count, shape = examples(grad), reference.shape[1:]
     if isinstance(grad, Outer) and grad.a.shape[1] == 1:
-        a, g = grad.a[:, 0], grad.g[:, 0]
-        kernels = reference.reshape(reference.shape[0], a.shape[1], g.shape[1])
-        return np.einsum("bkj,bj->bk", np.tensordot(a, kernels, axes=([1], [1])), g)
+        return _dense_dots(grad.a[:, 0], grad.g[:, 0], reference)
     flat = reference.reshape(reference.shape[0], -1).T
     return np.concatenate([b @ flat for b in blocks(grad, shape, dtype)]).reshape(count, -1)
+
+
+def _dense_dots(a: np.ndarray, g: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """a_b^T R_k g_b for each example b and reference k, [n, K], a block of examples at a
+    time: each block's [m, K, out] products stay within BLOCK_BYTES."""
+    count, inputs, outputs, k = a.shape[0], a.shape[1], g.shape[1], reference.shape[0]
+    kernels = np.moveaxis(reference.reshape(k, inputs, outputs), 1, 0).reshape(inputs, -1)
+    step = max(1, BLOCK_BYTES // (k * outputs * a.itemsize))
+    parts = [
+        np.einsum(
+            "bkj,bj->bk", (a[s : s + step] @ kernels).reshape(-1, k, outputs), g[s : s + step]
+        )
+        for s in range(0, count, step)
+    ]
+    return np.concatenate(parts)
