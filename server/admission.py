@@ -49,9 +49,10 @@ class Admission:
     def _take(
         self, examples: int, nbytes: int, caller: str, what: str, own: int = 0
     ) -> Callable[[], None]:
-        if examples > self._max_examples or nbytes > self._max_bytes:
+        if examples > self._max_examples or own + nbytes > self._max_bytes:
             raise ResourceExhausted(
-                f"call needs {examples} examples and {nbytes} {what}; this server admits "
+                f"call needs {examples} examples and {own + nbytes} bytes held (its "
+                f"{what} and request); this server admits "
                 f"at most {self._max_examples} and {self._max_bytes} ({_BOUNDS}): send "
                 "smaller batches"
             )
@@ -80,8 +81,8 @@ class Admission:
         with self._lock:
             self._examples -= examples
             self._bytes -= nbytes
-            left = self._by_caller[caller] - nbytes
-            if left:
+            left = self._by_caller.get(caller, 0) - nbytes
+            if left > 0:
                 self._by_caller[caller] = left
             else:
-                del self._by_caller[caller]
+                self._by_caller.pop(caller, None)

@@ -131,12 +131,13 @@ class Coalescer:
             self._waiting.append(pending)
             self._changed.notify_all()
             while not pending.done:
-                if not pending.taken and self._may_lead(pending.caller):
+                if not pending.taken and self._may_lead(pending):
                     return self._gather(pending)
                 self._changed.wait(POLL_S)
                 if not pending.taken and not pending.done and self._ended(pending):
                     self._waiting.remove(pending)
                     self._forget_if_idle(pending.caller)
+                    self._changed.notify_all()  # another may lead now, or close() end
                     raise Cancelled("call cancelled or past its deadline before its pass")
             return []
 
@@ -145,8 +146,16 @@ class Coalescer:
         cancelled = pending.job.cancelled
         return cancelled is not None and cancelled()
 
-    def _may_lead(self, caller: str) -> bool:
-        return not self._gathering and self._lanes < LANES and caller not in self._running
+    def _may_lead(self, pending: _Pending) -> bool:
+        """Whether a lane is free and `pending` is the next to lead: of the requests whose
+        callers have no pass running, the least recently served caller's first."""
+        if self._gathering or self._lanes >= LANES:
+            return False
+        ready = [p for p in self._waiting if p.caller not in self._running]
+        return bool(ready) and min(ready, key=self._turn) is pending
+
+    def _turn(self, pending: _Pending) -> tuple[int, int]:
+        return self._served.get(pending.caller, 0), pending.order
 
     def _gather(self, leader: _Pending) -> list[_Pending]:
         """The leader's pass: the waiting requests of callers with no pass running, within
@@ -183,7 +192,7 @@ class Coalescer:
         for pending in self._eligible(leader):
             if pending is not leader:
                 queues.setdefault(pending.caller, []).append(pending)
-        order = sorted(queues, key=lambda c: (self._served.get(c, 0), queues[c][0].order))
+        order = sorted(queues, key=lambda c: self._turn(queues[c][0]))
         group, room = [leader], self.granule - leader.job.batch.size
         for turn in itertools.count():
             offered = [queues[c][turn] for c in order if turn < len(queues[c])]
@@ -197,6 +206,7 @@ class Coalescer:
 
     def _run(self, group: list[_Pending]) -> None:
         """Run the leader's pass (unlocked), then answer every request in it."""
+        outcomes: list[Rows | Exception] = []
         try:
             outcomes = shared_rows(
                 self._engine,
@@ -208,20 +218,27 @@ class Coalescer:
         except Exception as err:  # every request of the pass gets the error
             _LOGGER.exception("coalesced pass failed")
             outcomes = [err] * len(group)
+        finally:
+            self._answer(group, outcomes)
+        if self._on_pass is not None:
+            self._on_pass(len(group))
+
+    def _answer(self, group: list[_Pending], outcomes: list[Rows | Exception]) -> None:
+        """Give each request its outcome (an error where there is none: the pass ended
+        abnormally) and the lane back."""
         with self._changed:
-            for pending, outcome in zip(group, outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    pending.error = outcome
-                else:
+            for index, pending in enumerate(group):
+                outcome = outcomes[index] if index < len(outcomes) else None
+                if isinstance(outcome, Rows):
                     pending.rows = outcome
+                else:
+                    pending.error = outcome or Cancelled("the shared pass ended abnormally")
                 pending.done = True
                 self._running.discard(pending.caller)
             self._lanes -= 1
             for pending in group:
                 self._forget_if_idle(pending.caller)
             self._changed.notify_all()
-        if self._on_pass is not None:
-            self._on_pass(len(group))
 
     def _forget_if_idle(self, caller: str) -> None:
         """Drop what is kept of a caller with nothing waiting or running (callers come

@@ -6,7 +6,9 @@ response) holds its thread for as long as the client likes. So every call admitt
 a thread of its own at once, and computing takes one of `workers` permits besides: a
 call to the service takes one only once its request has arrived (a stream, as it
 starts), so callers that send nothing hold threads and places, never the workers, and
-never make a call whose request has arrived wait for them. This interceptor:
+never make a call whose request has arrived wait for them; and a caller (its token, or
+its connection without tokens) computes on at most half of them (at least one) at once,
+so that its many calls leave workers to the others. This interceptor:
 - cancels a call that has waited on its client for `stall_timeout_s` (time the handler
   spends computing does not count: only waiting for a request, or for gRPC to send a
   response, which the client's reading paces);
@@ -64,6 +66,7 @@ _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
 _STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
 _ENDED = "{method}: cancelled while its request was awaited"
+_NO_WORKER = "the call ended while it waited for a worker"
 # An open call waiting this long on its client may lose its place to a new one.
 EVICTABLE_AFTER_S = 0.5
 # How often a call waiting for a worker's permit looks whether it has ended.
@@ -183,6 +186,38 @@ class _Places:
             self._waiting.pop(place, None)
 
 
+class _Shares:
+    """Each caller's share of the workers: at most `limit` of its calls compute at once,
+    so that one caller cannot hold every worker (its further calls wait, holding none)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}
+        self._changed = threading.Condition()
+
+    def take(self, caller: str, context: grpc.ServicerContext) -> None:
+        """Wait for the caller's share, given back when the call ends; a call that ends
+        meanwhile waits no longer."""
+        with self._changed:
+            while self._held.get(caller, 0) >= self.limit:
+                self._changed.wait(PERMIT_POLL_S)
+                if not context.is_active():
+                    context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
+            self._held[caller] = self._held.get(caller, 0) + 1
+        if not context.add_callback(lambda: self._give_back(caller)):
+            self._give_back(caller)
+            context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
+
+    def _give_back(self, caller: str) -> None:
+        with self._changed:
+            left = self._held.get(caller, 0) - 1
+            if left > 0:
+                self._held[caller] = left
+            else:
+                self._held.pop(caller, None)
+            self._changed.notify_all()
+
+
 class CallGuard(grpc.ServerInterceptor):
     def __init__(
         self,
@@ -202,6 +237,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._admission = admission
         self._calls = _Places(max_calls)
         self._permits = threading.Semaphore(workers)
+        self._shares = _Shares(max(1, workers // 2))
         self._streams = _Places(max_streams)
         self._per_caller_streams = per_caller_streams
         self._caller_streams: dict[str, _Places] = {}
@@ -305,19 +341,17 @@ class CallGuard(grpc.ServerInterceptor):
             handle_watch.experimental_non_blocking = True
             return handle_watch
 
-        permits = None if open_service else self._permits
-
         def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
             for place in places:
                 place.hold_until_done(context)
             if handler.request_streaming:
-                _compute_permit(permits, context)
+                self._compute(open_service, context)
                 result = behavior(self._requests(iterator, context, method, waiting), context)
             else:
                 request = self._request(iterator, context, method, waiting)
                 if not open_service:
                     self._hold(request, context)
-                _compute_permit(permits, context)
+                self._compute(open_service, context)
                 result = behavior(request, context)
             if handler.response_streaming:
                 return self._responses(result, context, method)
@@ -325,14 +359,24 @@ class CallGuard(grpc.ServerInterceptor):
 
         return handle
 
+    def _compute(self, open_service: bool, context: grpc.ServicerContext) -> None:
+        """A call to the service waits for its caller's share of the workers, then for a
+        worker's permit; both held until it ends (open services run on their own pool)."""
+        if open_service:
+            return
+        self._shares.take(self._caller(context), context)
+        _compute_permit(self._permits, context)
+
+    def _caller(self, context: grpc.ServicerContext) -> str:
+        return caller_of(context, self._per_caller_streams is not None)
+
     def _hold(self, request: Any, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end (`Admission.hold`):
         calls queued for a worker hold their requests too."""
         if self._admission is None or not isinstance(request, Message):
             return  # a malformed request kept none of its bytes; its handler refuses it
-        caller = caller_of(context, self._per_caller_streams is not None)
         try:
-            release = self._admission.hold(request.ByteSize(), caller)
+            release = self._admission.hold(request.ByteSize(), self._caller(context))
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         if not context.add_callback(release):
@@ -400,17 +444,15 @@ class CallGuard(grpc.ServerInterceptor):
         return request
 
 
-def _compute_permit(permits: threading.Semaphore | None, context: grpc.ServicerContext) -> None:
+def _compute_permit(permits: threading.Semaphore, context: grpc.ServicerContext) -> None:
     """Wait for one of the workers' permits, held until the call ends (FIFO enough: the
     semaphore wakes waiters in turn); a call that ends meanwhile waits no longer."""
-    if permits is None:
-        return
     while not permits.acquire(timeout=PERMIT_POLL_S):
         if not context.is_active():
-            context.abort(grpc.StatusCode.CANCELLED, "the call ended while it waited for a worker")
+            context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
     if not context.add_callback(permits.release):
         permits.release()
-        context.abort(grpc.StatusCode.CANCELLED, "the call ended while it waited for a worker")
+        context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
 
 
 def _refuse(open_service: bool) -> Callable[..., Any]:

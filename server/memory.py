@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,16 +61,19 @@ class _Trimmer:
                 self._trim(0)
 
 
-_TRIMMER: _Trimmer | None = None
 _STARTING = threading.Lock()
 
 
 def _trimmer() -> _Trimmer | None:
-    global _TRIMMER
+    """The process's trimmer, started at its first call (None without `malloc_trim`)."""
     with _STARTING:
-        if _TRIMMER is None and (trim := _malloc_trim()) is not None:
-            _TRIMMER = _Trimmer(trim)
-        return _TRIMMER
+        return _started()
+
+
+@functools.cache
+def _started() -> _Trimmer | None:
+    trim = _malloc_trim()
+    return None if trim is None else _Trimmer(trim)
 
 
 @contextmanager

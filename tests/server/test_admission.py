@@ -50,3 +50,19 @@ def test_bytes_come_back_when_calls_end(admission) -> None:
 def test_a_call_over_a_bound_alone_says_it_could_never_run(admission) -> None:
     with pytest.raises(ResourceExhausted, match="send smaller batches"):
         admission.hold(BYTES + 1, "one")
+
+
+def test_a_call_whose_request_and_result_exceed_the_budget_could_never_run(admission) -> None:
+    release = admission.hold(600, "one")
+    refused = pytest.raises(ResourceExhausted, match="send smaller batches")
+    with refused, admission.admit(1, 500, "one", request_bytes=600):
+        pass
+    release()
+
+
+def test_calls_holding_no_bytes_come_and_go(admission) -> None:
+    releases = [admission.hold(0, "one") for _ in range(3)]
+    for release in releases:
+        release()
+    with admission.admit(1, BYTES, "one"):
+        pass

@@ -106,7 +106,9 @@ def _dense_dots(a: np.ndarray, g: np.ndarray, reference: np.ndarray) -> np.ndarr
     time: each block's [m, K, out] products stay within BLOCK_BYTES."""
     count, inputs, outputs, k = a.shape[0], a.shape[1], g.shape[1], reference.shape[0]
     kernels = np.moveaxis(reference.reshape(k, inputs, outputs), 1, 0).reshape(inputs, -1)
-    step = max(1, BLOCK_BYTES // (k * outputs * a.itemsize))
+    if count == 0:
+        return np.zeros((0, k), np.result_type(a, kernels, g))
+    step = max(1, BLOCK_BYTES // (k * outputs * np.result_type(a, kernels).itemsize))
     parts = [
         np.einsum(
             "bkj,bj->bk", (a[s : s + step] @ kernels).reshape(-1, k, outputs), g[s : s + step]
