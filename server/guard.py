@@ -7,8 +7,10 @@ a thread of its own at once, and computing takes one of `workers` permits beside
 call to the service takes one only once its request has arrived (a stream, as it
 starts), so callers that send nothing hold threads and places, never the workers, and
 never make a call whose request has arrived wait for them; and a caller (its token, or
-its connection without tokens) computes on at most half of them (at least one) at once,
-so that its many calls leave workers to the others. This interceptor:
+its connection without tokens) has at most half of them (at least one) computing
+one-request calls at once, so that its many calls leave workers to the others (its
+request streams, a worker each for as long as they last, are bounded by their places,
+per token: a caller's idle streams never hold up its own calls). This interceptor:
 - cancels a call that has waited on its client for `stall_timeout_s` (time the handler
   spends computing does not count: only waiting for a request, or for gRPC to send a
   response, which the client's reading paces);
@@ -345,27 +347,21 @@ class CallGuard(grpc.ServerInterceptor):
             for place in places:
                 place.hold_until_done(context)
             if handler.request_streaming:
-                self._compute(open_service, context)
+                if not open_service:
+                    _compute_permit(self._permits, context)
                 result = behavior(self._requests(iterator, context, method, waiting), context)
             else:
                 request = self._request(iterator, context, method, waiting)
                 if not open_service:
                     self._hold(request, context)
-                self._compute(open_service, context)
+                    self._shares.take(self._caller(context), context)
+                    _compute_permit(self._permits, context)
                 result = behavior(request, context)
             if handler.response_streaming:
                 return self._responses(result, context, method)
             return result
 
         return handle
-
-    def _compute(self, open_service: bool, context: grpc.ServicerContext) -> None:
-        """A call to the service waits for its caller's share of the workers, then for a
-        worker's permit; both held until it ends (open services run on their own pool)."""
-        if open_service:
-            return
-        self._shares.take(self._caller(context), context)
-        _compute_permit(self._permits, context)
 
     def _caller(self, context: grpc.ServicerContext) -> str:
         return caller_of(context, self._per_caller_streams is not None)
