@@ -23,7 +23,8 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
 - admits every call itself, as it arrives, against places of its kind, each given back
   when its call ends: `max_calls` calls to the service (running or waiting for a
   worker), of which `max_streams` request streams (StreamPerExampleGradients,
-  SetWeights), `per_caller_streams` per token where the server has tokens;
+  SetWeights), `per_caller_streams` per token where the server has tokens, and of all
+  those, `per_caller_calls` per token (so one token cannot fill the queue);
   `max_open_calls` calls to the open services (health, reflection), of
   which `max_open_streams` reflection streams; `max_watch_streams` health Watch streams.
   Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED, on the refusals'
@@ -232,6 +233,7 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_streams: int,
         max_watch_streams: int,
         per_caller_streams: int | None = None,
+        per_caller_calls: int | None = None,
         admission: Admission | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
     ) -> None:
@@ -243,6 +245,8 @@ class CallGuard(grpc.ServerInterceptor):
         self._streams = _Places(max_streams)
         self._per_caller_streams = per_caller_streams
         self._caller_streams: dict[str, _Places] = {}
+        self._per_caller_calls = per_caller_calls
+        self._caller_calls: dict[str, _Places] = {}
         self._callers_lock = threading.Lock()
         self._open = _Places(max_open_calls, evict=True)
         self._open_streams = _Places(max_open_streams)
@@ -274,13 +278,18 @@ class CallGuard(grpc.ServerInterceptor):
             return handler  # none is served; it could not be read under the stall timer
         watch = non_blocking
         kinds = [self._open if open_service else self._calls]
+        if not open_service:
+            kinds += self._token_places(
+                self._caller_calls, self._per_caller_calls, handler_call_details
+            )
         if watch:
             kinds.append(self._watches)
         elif handler.request_streaming:
             kinds.append(self._open_streams if open_service else self._streams)
-            caller = self._caller_streams_of(handler_call_details, open_service)
-            if caller is not None:
-                kinds.append(caller)
+            if not open_service:
+                kinds += self._token_places(
+                    self._caller_streams, self._per_caller_streams, handler_call_details
+                )
         places = self._take(kinds)
         if places is None:
             return refusal(declared_kind_of(handler), _refuse(open_service))
@@ -291,18 +300,19 @@ class CallGuard(grpc.ServerInterceptor):
             return replaced(handler, guarded)
         return as_request_stream(handler, guarded)
 
-    def _caller_streams_of(
-        self, details: grpc.HandlerCallDetails, open_service: bool
-    ) -> _Places | None:
-        """The stream places of the call's token (known: the token check ran first), when
-        the server has tokens; without them callers have no identity to share by."""
-        if self._per_caller_streams is None or open_service:
-            return None
+    def _token_places(
+        self, table: dict[str, _Places], limit: int | None, details: grpc.HandlerCallDetails
+    ) -> list[_Places]:
+        """The call's token's places of a kind (the token is known: its check ran first,
+        and the token file bounds the table), when the server has tokens; without them,
+        at arrival, a call has no identity to share by."""
+        if limit is None:
+            return []
         token = bearer_token(details.invocation_metadata) or ""
         with self._callers_lock:
-            if token not in self._caller_streams:
-                self._caller_streams[token] = _Places(self._per_caller_streams)
-            return self._caller_streams[token]
+            if token not in table:
+                table[token] = _Places(limit)
+            return [table[token]]
 
     @staticmethod
     def _take(kinds: list[_Places]) -> list[_Place] | None:

@@ -122,6 +122,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         max_open_streams=OPEN_STREAMS,
         max_watch_streams=WATCH_STREAMS,
         per_caller_streams=None if config.auth_token_file is None else per_token_streams(config),
+        per_caller_calls=None if config.auth_token_file is None else per_token_calls(config),
         admission=admission,
         on_stall=metrics.call_stalled,
     )
@@ -146,6 +147,13 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         endpoint.port,
     )
     return RunningServer(server, port, health_servicer, metrics, endpoint, guard, coalescers)
+
+
+def per_token_calls(config: Config) -> int:
+    """The calls to the service one token may have admitted at once (computing or
+    queued): half of --workers + --max-queued-calls (at least one), so that one caller
+    cannot fill the queue."""
+    return max(1, config.max_calls // 2)
 
 
 def per_token_streams(config: Config) -> int:

@@ -1,7 +1,7 @@
-"""Random, malformed, truncated and resource-shaped requests, and idle streams, against a
-live server: every answer is a deliberate status (never UNKNOWN or INTERNAL), every OK
-answer a whole result of the shapes the request implies with finite values, and the
-server stays healthy and answering.
+"""Random, malformed, truncated and resource-shaped requests, idle streams, and silent
+callers with any token, against a live server: every answer is a deliberate status
+(never UNKNOWN or INTERNAL), every OK answer a whole result of the shapes the request
+implies with finite values, and the server stays healthy and answering.
 
 `PERGRAD_FUZZ_EXAMPLES` sets how many requests of each kind (`make soak` runs thousands).
 """
@@ -333,6 +333,77 @@ def test_idle_streams_of_any_kind_leave_the_server_answering(guarded_server, met
             pb.ListModelsRequest().SerializeToString(), timeout=10
         )
         assert pb.ListModelsResponse.FromString(reply).models == ["mnist_mlp"]
+        never.set()
+        for call in opened:
+            call.cancel()
+
+
+@pytest.fixture(scope="module")
+def tokened_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    tokens = tmp_path_factory.mktemp("fuzz") / "tokens"
+    tokens.write_text("secret\nreader:ro\n")
+    config = loopback_config(
+        "mnist_mlp",
+        workers=3,
+        max_streams=2,
+        max_queued_calls=4,
+        stall_timeout_s=1.0,
+        auth_token_file=tokens,
+    )
+    running = start(config)
+    yield running
+    running.stop(0)
+
+
+ONE_REQUEST_METHODS = [
+    SERVICE + "GetModelInfo",
+    SERVICE + "ComputePerExampleGradients",
+    "/grpc.health.v1.Health/Check",
+]
+PRESENTED = {
+    "no token": None,
+    "wrong token": (("authorization", "Bearer guess"),),
+    "read-only token": (("authorization", "Bearer reader"),),
+}
+HONEST = (("authorization", "Bearer secret"),)
+silent_calls = st.tuples(
+    st.sampled_from(STREAM_METHODS + ONE_REQUEST_METHODS), st.sampled_from(sorted(PRESENTED))
+)
+
+
+@settings(
+    max_examples=max(5, EXAMPLES // 15), deadline=None, suppress_health_check=list(HealthCheck)
+)
+@given(attacks=st.lists(silent_calls, min_size=1, max_size=16))
+def test_silent_callers_with_any_token_leave_another_tokens_calls_answering(
+    tokened_server, attacks
+) -> None:
+    """Calls that never send (or never end) their requests, to any method, with no token,
+    a wrong one or a read-only one: another token's calls and a health probe still answer."""
+    with grpc.insecure_channel(f"127.0.0.1:{tokened_server.port}") as channel:
+        never = threading.Event()
+
+        def nothing() -> Iterator[bytes]:
+            never.wait()
+            yield b""
+
+        opened = [
+            channel.unary_stream(method)(
+                health_pb2.HealthCheckRequest().SerializeToString(), metadata=PRESENTED[token]
+            )
+            if method.endswith("Watch")
+            else channel.stream_stream(method)(nothing(), metadata=PRESENTED[token])
+            for method, token in attacks
+        ]
+        event(f"{len(attacks)} silent calls")
+        reply = channel.unary_unary(SERVICE + "ListModels")(
+            pb.ListModelsRequest().SerializeToString(), metadata=HONEST, timeout=10
+        )
+        assert pb.ListModelsResponse.FromString(reply).models == ["mnist_mlp"]
+        probe = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+        assert probe.status == health_pb2.HealthCheckResponse.SERVING
         never.set()
         for call in opened:
             call.cancel()

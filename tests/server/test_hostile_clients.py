@@ -32,6 +32,7 @@ from pergrad.server.main import (
     WATCH_STREAMS,
     RunningServer,
     build_registry,
+    per_token_calls,
     start,
 )
 from pergrad.server.models.builtin import LOSS
@@ -205,15 +206,15 @@ def test_calls_that_never_send_their_request_hold_no_worker_with_or_without_a_to
             assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(methods)
             stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
             assert list(stream(iter([]), timeout=30, metadata=token)) == []  # no slot taken
-            silent = [
-                _idle_stream(channel, SERVICE + name, token, timeout=60) for name in SILENT[:3]
+            silent = [  # as many as the workers, within the token's half of the places
+                _idle_stream(channel, SERVICE + name, token, timeout=60) for name in SILENT[:2]
             ]
             time.sleep(0.3)
             reply = channel.unary_unary(
                 SERVICE + "ListModels", response_deserializer=pb.ListModelsResponse.FromString
             )(pb.ListModelsRequest().SerializeToString(), timeout=30, metadata=token)
             assert list(reply.models) == ["mnist_mlp"]
-            assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * 3
+            assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * 2
     finally:
         running.stop(0)
 
@@ -317,6 +318,39 @@ def test_one_token_cannot_take_every_stream_place(tmp_path: Path) -> None:
                 version, weights = writer.get_weights("mnist_mlp")
                 assert writer.set_weights("mnist_mlp", weights) == version + 1
             for call in idle:
+                call.cancel()
+    finally:
+        running.stop(0)
+
+
+def test_one_token_cannot_fill_the_queue(tmp_path: Path) -> None:
+    """A read-only token's silent calls take half of the service's places (--workers +
+    --max-queued-calls) at most; the next is refused at once, and another token's
+    calls are admitted and answered (before: the reader took every place, and every
+    other call was RESOURCE_EXHAUSTED until the stall timeout)."""
+    config = loopback_config(
+        "mnist_mlp",
+        workers=2,
+        max_queued_calls=2,
+        stall_timeout_s=60,
+        auth_token_file=_tokens(tmp_path),
+    )
+    running = start(config)
+    reader = (("authorization", "Bearer reader"),)
+    share = per_token_calls(config)
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            silent = []
+            for count in range(1, share + 1):
+                silent.append(_idle_stream(channel, SERVICE + "GetModelInfo", reader, timeout=60))
+                _until(running.metrics_port, "grpc_server_started_total", "GetModelInfo", count)
+            refused = _idle_stream(channel, SERVICE + "GetModelInfo", reader, timeout=20)
+            assert _code(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with GradientClient(_target(running), token="secret", timeout=20) as honest:
+                assert honest.list_models() == ["mnist_mlp"]
+                x, y = batch_for((784,), 10, 2)
+                assert honest.per_example_gradients("mnist_mlp", x, y, reduction="norms")
+            for call in silent:
                 call.cancel()
     finally:
         running.stop(0)
