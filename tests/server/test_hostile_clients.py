@@ -944,7 +944,9 @@ def test_requests_queued_for_a_worker_are_priced_per_caller(tmp_path: Path) -> N
         for client in clients:
             client.close()
         running.stop(0)
+    # Two are refused when all four arrive within the first pass; on a loaded machine one
+    # may arrive after a pass has ended and be rightly admitted: at least one, at most two.
     refused = [r for r in reader if r != "OK"]
-    assert len(refused) == 2, reader
+    assert 1 <= len(refused) <= 2, reader
     assert all("RESOURCE_EXHAUSTED" in r and "half of --max-inflight-bytes" in r for r in refused)
     assert honest == "OK"
