@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pergrad.server.engine import Engine
 from pergrad.server.engine.group import Job, Rows, same_bits_sizes, shared_rows
@@ -58,8 +58,7 @@ class _Pending:
     error: Exception | None = None
     taken: bool = False
     done: bool = False
-    # Arrival order, to keep each caller's requests in the order they came.
-    order: int = field(default=0)
+    order: int = 0  # arrival order, to keep each caller's requests in the order they came
 
     def key(self) -> tuple:
         """What requests sharing a pass have in common: the weights, and each input's

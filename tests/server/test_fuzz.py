@@ -311,6 +311,26 @@ STREAM_METHODS = [
 ]
 
 
+def _silent_calls(
+    channel: grpc.Channel, calls: list[tuple[str, tuple | None]], never: threading.Event
+) -> list[grpc.Future]:
+    """Each (method, metadata) called with a request stream that sends nothing until
+    `never` is set (a Watch: its one request, and its replies never read)."""
+
+    def nothing() -> Iterator[bytes]:
+        never.wait()
+        yield b""
+
+    return [
+        channel.unary_stream(method)(
+            health_pb2.HealthCheckRequest().SerializeToString(), metadata=metadata
+        )
+        if method.endswith("Watch")
+        else channel.stream_stream(method)(nothing(), metadata=metadata)
+        for method, metadata in calls
+    ]
+
+
 @settings(
     max_examples=max(5, EXAMPLES // 15), deadline=None, suppress_health_check=list(HealthCheck)
 )
@@ -318,17 +338,7 @@ STREAM_METHODS = [
 def test_idle_streams_of_any_kind_leave_the_server_answering(guarded_server, methods) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{guarded_server.port}") as channel:
         never = threading.Event()
-
-        def nothing() -> Iterator[bytes]:
-            never.wait()
-            yield b""
-
-        opened = [
-            channel.unary_stream(m)(health_pb2.HealthCheckRequest().SerializeToString())
-            if m.endswith("Watch")
-            else channel.stream_stream(m)(nothing())
-            for m in methods
-        ]
+        opened = _silent_calls(channel, [(m, None) for m in methods], never)
         reply = channel.unary_unary(SERVICE + "ListModels")(
             pb.ListModelsRequest().SerializeToString(), timeout=10
         )
@@ -382,19 +392,8 @@ def test_silent_callers_with_any_token_leave_another_tokens_calls_answering(
     a wrong one or a read-only one: another token's calls and a health probe still answer."""
     with grpc.insecure_channel(f"127.0.0.1:{tokened_server.port}") as channel:
         never = threading.Event()
-
-        def nothing() -> Iterator[bytes]:
-            never.wait()
-            yield b""
-
-        opened = [
-            channel.unary_stream(method)(
-                health_pb2.HealthCheckRequest().SerializeToString(), metadata=PRESENTED[token]
-            )
-            if method.endswith("Watch")
-            else channel.stream_stream(method)(nothing(), metadata=PRESENTED[token])
-            for method, token in attacks
-        ]
+        calls = [(method, PRESENTED[token]) for method, token in attacks]
+        opened = _silent_calls(channel, calls, never)
         event(f"{len(attacks)} silent calls")
         reply = channel.unary_unary(SERVICE + "ListModels")(
             pb.ListModelsRequest().SerializeToString(), metadata=HONEST, timeout=10
