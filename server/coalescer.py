@@ -82,14 +82,9 @@ class Coalescer:
         name: str = "",
     ) -> None:
         self.granule = granule
-        self.sizes = same_bits_sizes(engine, granule)
-        _LOGGER.info(
-            "model %s: shared passes of %s examples (those whose rows match a pass of %d "
-            "to the bit)",
-            name,
-            ", ".join(map(str, self.sizes)),
-            granule,
-        )
+        self._name = name
+        self._sizes: tuple[int, ...] | None = None
+        self._probing = threading.Lock()
         self._engine = engine
         self._window_s = window_s
         self._on_pass = on_pass
@@ -101,6 +96,23 @@ class Coalescer:
         self._passes = itertools.count(1)
         self._arrivals = itertools.count()
         self._gathering = False
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes a shared pass may have, found by probe passes before the first one
+        (not as the coalescer is made: a request that runs alone never waits for them, nor
+        does a call to another model)."""
+        with self._probing:
+            if self._sizes is None:
+                self._sizes = same_bits_sizes(self._engine, self.granule)
+                _LOGGER.info(
+                    "model %s: shared passes of %s examples (those whose rows match a pass "
+                    "of %d to the bit)",
+                    self._name,
+                    ", ".join(map(str, self._sizes)),
+                    self.granule,
+                )
+            return self._sizes
 
     def takes(self, size: int) -> bool:
         """Whether a request of `size` examples goes through shared passes: one that
