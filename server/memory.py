@@ -8,6 +8,14 @@ process's last such call ends, if none has started since, `malloc_trim(0)` hands
 heaps' free pages back. Memory is the process's, so this is one thread per process,
 whatever number of servers it runs. Where the C library has no `malloc_trim` (musl,
 macOS) nothing is trimmed.
+
+A trim returns only whole free pages. glibc gives a thread that meets contention an arena
+of its own, up to 8 per core, so a burst of calls on many threads leaves its free memory
+scattered over as many arenas, in pages each still partly used: a server that
+`limit_arenas()` at start keeps ARENAS of them (measured on 2 cores: 4 concurrent 46 MB
+`dot` calls left +48 to +99 MB after the trim with glibc's default, -4 to +11 MB with 2,
+and the admission load test answered 6.8-7.1 calls/s instead of 5.8 at a peak RSS of
+807 MB instead of 904-913). An operator's own MALLOC_ARENA_MAX wins.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,11 +33,26 @@ from contextlib import contextmanager
 IDLE_S = 0.5
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+# glibc's mallopt parameter for the arena limit, and the limit a server sets.
+M_ARENA_MAX = -8
+ARENAS = 2
+
+
+def _libc(name: str) -> Callable[..., int] | None:
+    """The C library's function `name`, or None where it has none."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
     except (OSError, AttributeError, TypeError):
         return None
+
+
+def limit_arenas() -> None:
+    """At most ARENAS malloc arenas from now on, unless MALLOC_ARENA_MAX is set (glibc
+    read it at start). Called before the server's threads start: glibc fixes its limit
+    once more than 8 arenas exist."""
+    mallopt = _libc("mallopt")
+    if mallopt is not None and "MALLOC_ARENA_MAX" not in os.environ:
+        mallopt(M_ARENA_MAX, ARENAS)
 
 
 class _Trimmer:
@@ -72,7 +96,7 @@ def _trimmer() -> _Trimmer | None:
 
 @functools.cache
 def _started() -> _Trimmer | None:
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim")
     return None if trim is None else _Trimmer(trim)
 
 

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from pergrad.server.config import ConfigError, parse
+from pergrad.server.memory import limit_arenas
 
 _LOGGER = logging.getLogger(__name__)
 # A stop still under way this long after its grace ends prints every thread's stack and
@@ -43,6 +44,7 @@ def serve(argv: Sequence[str]) -> int:
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    limit_arenas()
     from pergrad.server.main import configure_devices, start
     from pergrad.server.models.keras_file import ModelLoadError
 
