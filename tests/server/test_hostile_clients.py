@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import grpc
 import keras
@@ -119,7 +120,7 @@ def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
             _idle_stream(channel, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
             for _ in range(8)
         ]
-        time.sleep(0.5)
+        _until(guarded.metrics_port, "grpc_server_started_total", "ServerReflectionInfo", 8)
         assert _list_models(channel) == ["mnist_mlp"]
         for stream in streams:
             stream.cancel()
@@ -140,17 +141,32 @@ def test_watch_streams_beyond_their_bound_are_refused_and_other_calls_go_on(guar
         assert _list_models(channel) == ["mnist_mlp"]
         assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
         watches.pop().cancel()
-        time.sleep(0.5)  # the cancelled stream's place is given back when gRPC ends it
-        again = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
-        assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+        again, first = _watch_once_admitted(stub)  # its place is back once gRPC ends it
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
         for watch in [*watches, again]:
             watch.cancel()
+
+
+def _watch_once_admitted(stub: health_pb2_grpc.HealthStub) -> tuple[grpc.Future, Any]:
+    """A Watch and its first reply, asked again while it is refused RESOURCE_EXHAUSTED
+    (for up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        try:
+            first = next(watch)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        return watch, first
 
 
 def test_an_idle_gradients_stream_is_cancelled_and_the_next_refused_meanwhile(guarded) -> None:
     with grpc.insecure_channel(_target(guarded)) as channel:
         idle = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
-        time.sleep(0.3)
+        _until(guarded.metrics_port, "grpc_server_started_total", "StreamPerExampleGradients")
         second = _idle_stream(channel, SERVICE + "StreamPerExampleGradients")
         with pytest.raises(grpc.RpcError) as refused:
             next(second)
@@ -395,7 +411,7 @@ def test_calls_beyond_the_queue_are_refused_at_once(guarded) -> None:
     with grpc.insecure_channel(_target(guarded)) as channel:
         compute = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
         unread = [compute(request) for _ in range(2)]  # 200 MB each, never read
-        time.sleep(1.0)
+        _until(guarded.metrics_port, "grpc_server_started_total", "ComputePerExampleGradients", 2)
         calls = [
             channel.unary_unary(SERVICE + "ListModels").future(
                 pb.ListModelsRequest().SerializeToString(), timeout=20
