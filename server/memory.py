@@ -9,13 +9,16 @@ heaps' free pages back. Memory is the process's, so this is one thread per proce
 whatever number of servers it runs. Where the C library has no `malloc_trim` (musl,
 macOS) nothing is trimmed.
 
-A trim returns only whole free pages. glibc gives a thread that meets contention an arena
-of its own, up to 8 per core, so a burst of calls on many threads leaves its free memory
-scattered over as many arenas, in pages each still partly used: a server that
-`limit_arenas()` at start keeps ARENAS of them (measured on 2 cores: 4 concurrent 46 MB
-`dot` calls left +48 to +99 MB after the trim with glibc's default, -4 to +11 MB with 2,
-and the admission load test answered 6.8-7.1 calls/s instead of 5.8 at a peak RSS of
-807 MB instead of 904-913). An operator's own MALLOC_ARENA_MAX wins.
+A trim returns only whole free pages. glibc gives each thread an arena of its own at its
+first allocation, up to 8 per core, so a burst of calls on many threads leaves its free
+memory scattered over as many arenas, in pages each still partly used: a server that
+`limit_arenas()` at start keeps ARENAS of them, the main one included (measured on 2
+cores: 4 concurrent 46 MB `dot` calls left +48 to +99 MB after the trim with glibc's
+default, -4 to +23 MB with 2, and the admission load test of `benchmarks/load.py`
+answered 6.8-7.1 calls/s instead of 5.8, at a peak RSS of 807 MB instead of 904-913; on
+many cores the one arena the threads share may be contended: measure, and set
+MALLOC_ARENA_MAX). An operator's own MALLOC_ARENA_MAX or glibc.malloc.arena_max tunable
+wins.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -32,6 +36,8 @@ from contextlib import contextmanager
 # arena: not after each call of a steady stream).
 IDLE_S = 0.5
 
+
+_LOGGER = logging.getLogger(__name__)
 
 # glibc's mallopt parameter for the arena limit, and the limit a server sets.
 M_ARENA_MAX = -8
@@ -47,12 +53,17 @@ def _libc(name: str) -> Callable[..., int] | None:
 
 
 def limit_arenas() -> None:
-    """At most ARENAS malloc arenas from now on, unless MALLOC_ARENA_MAX is set (glibc
+    """At most ARENAS malloc arenas from now on, unless the operator chose a number (glibc
     read it at start). Called before the server's threads start: glibc fixes its limit
     once more than 8 arenas exist."""
+    chosen = "MALLOC_ARENA_MAX" in os.environ or "arena_max" in os.environ.get("GLIBC_TUNABLES", "")
     mallopt = _libc("mallopt")
-    if mallopt is not None and "MALLOC_ARENA_MAX" not in os.environ:
-        mallopt(M_ARENA_MAX, ARENAS)
+    if chosen or mallopt is None:
+        return
+    if mallopt(M_ARENA_MAX, ARENAS):
+        _LOGGER.info("malloc arenas limited to %d (set MALLOC_ARENA_MAX to choose)", ARENAS)
+    else:
+        _LOGGER.warning("the C library refused to limit its malloc arenas")
 
 
 class _Trimmer:
