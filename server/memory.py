@@ -44,12 +44,18 @@ M_ARENA_MAX = -8
 ARENAS = 2
 
 
+@functools.cache
+def _c_library() -> ctypes.CDLL | None:
+    """The C library, looked up once (`find_library` runs `ldconfig`)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
 def _libc(name: str) -> Callable[..., int] | None:
     """The C library's function `name`, or None where it has none."""
-    try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name)
-    except (OSError, AttributeError, TypeError):
-        return None
+    return getattr(_c_library(), name, None)
 
 
 def limit_arenas() -> None:

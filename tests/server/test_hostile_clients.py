@@ -873,21 +873,31 @@ def test_error_messages_quoting_huge_input_are_cut_short(client: GradientClient)
 SLEEP_PER_EXAMPLE_S = 0.005
 
 
-class Sleep(keras.layers.Layer):
-    """Sleeps SLEEP_PER_EXAMPLE_S per example of its batch: a pass whose cost is its size,
-    and which takes no CPU, so that the test measures queueing, not the machine's load."""
+class _Pause(keras.layers.Layer):
+    """The identity, which calls `pause` on each pass's batch in Python (a py_function)."""
+
+    def pause(self, batch: tf.Tensor) -> None:
+        raise NotImplementedError
 
     def call(self, x):
-        def sleep(batch):
-            time.sleep(SLEEP_PER_EXAMPLE_S * int(batch.shape[0]))
+        def paused(batch):
+            self.pause(batch)
             return batch
 
-        out = tf.py_function(sleep, [x], x.dtype)
+        out = tf.py_function(paused, [x], x.dtype)
         out.set_shape(x.shape)
         return out
 
 
-class Gate(keras.layers.Layer):
+class Sleep(_Pause):
+    """Sleeps SLEEP_PER_EXAMPLE_S per example of its batch: a pass whose cost is its size,
+    and which takes no CPU, so that the test measures queueing, not the machine's load."""
+
+    def pause(self, batch: tf.Tensor) -> None:
+        time.sleep(SLEEP_PER_EXAMPLE_S * int(batch.shape[0]))
+
+
+class Gate(_Pause):
     """Once closed, holds every pass until opened, releasing `entered` as each arrives: a
     pass that lasts exactly as long as the test wants, whatever the machine's load."""
 
@@ -908,15 +918,9 @@ class Gate(keras.layers.Layer):
         finally:
             self.opened.set()
 
-    def call(self, x):
-        def wait(batch):
-            self.entered.release()
-            self.opened.wait(60)
-            return batch
-
-        out = tf.py_function(wait, [x], x.dtype)
-        out.set_shape(x.shape)
-        return out
+    def pause(self, batch: tf.Tensor) -> None:
+        self.entered.release()
+        self.opened.wait(60)
 
 
 def _slow_model(
@@ -1035,9 +1039,8 @@ def test_requests_queued_for_a_worker_are_priced_per_caller(tmp_path: Path) -> N
             assert gate.entered.acquire(timeout=30), "no reader's pass reached the model"
             answered = pool.submit(call, honest)
             assert gate.entered.acquire(timeout=30), "the other token's call found no worker"
-            gate.opened.set()
-            results = [f.result() for f in reads]
-            assert answered.result() == "OK"
+        results = [f.result() for f in reads]
+        assert answered.result() == "OK"
     finally:
         for client in [*readers, honest]:
             client.close()
