@@ -5,12 +5,14 @@ What a DP user pays per step, B=256, for mnist_mlp, mnist_cnn and transformer_bl
   TF step     the ordinary non-private training step of the same model in TensorFlow:
               one compiled function (forward, mean loss, gradient, SGD update), in
               this process
-  DP step     through a `pergrad serve` process of its own: `clipped_sum` (max_norm 1,
-              noise multiplier 1, seeded) of the batch at the current version, the
-              update w -= lr * sum / B in numpy, `set_weights` pinned to that version
-  parts       the DP step's clipped_sum call and set_weights call alone
+  server step `client.step` against a `pergrad serve` process of its own (SGD):
+              the server clips, sums, noises (max_norm 1, noise multiplier 1, seeded)
+              and applies the update; only the batch and the step's report travel
+  get/set     the loop before ApplyStep: `clipped_sum` of the batch at the current
+              version, the update w -= lr * sum / B in numpy, `set_weights` pinned to
+              that version (its two calls also timed alone)
 
-The two steps take turns in every round; figures are medians.
+The three steps take turns in every round; figures are medians.
 
     python benchmarks/dp_step.py [--steps 15] [--models ...]
 """
@@ -102,6 +104,27 @@ class DpStep:
         self.times["set_weights"].append(time.perf_counter() - sent)
 
 
+class ServerStep:
+    """One DP-SGD step taken by the server, pinned to the version the last one made."""
+
+    def __init__(self, client: GradientClient, model: str, x: np.ndarray, y: np.ndarray):
+        self._client, self._model, self._x, self._y = client, model, x, y
+        self._version = client.model_info(model).model_version
+
+    def __call__(self) -> None:
+        self._version = self._client.step(
+            self._model,
+            self._x,
+            self._y,
+            learning_rate=LR,
+            expected_batch_size=BATCH,
+            max_norm=1.0,
+            noise_multiplier=1.0,
+            seed=self._version,
+            model_version=self._version,
+        ).model_version
+
+
 def _timed(fn: Callable[[], None]) -> float:
     began = time.perf_counter()
     fn()
@@ -113,7 +136,11 @@ def measure(model: str, steps: int) -> dict[str, float]:
     try:
         with GradientClient(target, timeout=300) as client:
             x, y = _batch(client.model_info(model))
-            methods = {"tf": tf_step(model, x, y), "dp": DpStep(client, model, x, y)}
+            methods = {
+                "tf": tf_step(model, x, y),
+                "server": ServerStep(client, model, x, y),
+                "dp": DpStep(client, model, x, y),
+            }
             for fn in methods.values():  # warm: tracing, allocation
                 fn()
                 fn()
@@ -139,13 +166,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     args = parser.parse_args()
     print(
-        f"| model (B={BATCH}) | TF step ms | DP step ms | ratio | clipped_sum ms | set_weights ms |"
+        f"| model (B={BATCH}) | TF step ms | server step ms | ratio | get/set step ms | ratio "
+        "| its clipped_sum ms | its set_weights ms |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model in args.models:
         m = measure(model, args.steps)
         print(
-            f"| {model} | {1000 * m['tf']:.1f} | {1000 * m['dp']:.1f} | {m['dp'] / m['tf']:.2f} | "
+            f"| {model} | {1000 * m['tf']:.1f} | {1000 * m['server']:.1f} | "
+            f"{m['server'] / m['tf']:.2f} | {1000 * m['dp']:.1f} | {m['dp'] / m['tf']:.2f} | "
             f"{1000 * m['clipped_sum']:.1f} | {1000 * m['set_weights']:.1f} |",
             flush=True,
         )

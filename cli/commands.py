@@ -30,6 +30,7 @@ def _describe(info: ModelInfo) -> str:
         + (f"  classes {info.num_classes}" if info.num_classes else ""),
         f"  loss    {info.loss}",
         f"  plan    {info.plan_id}  {info.plan}",
+        f"  steps   {info.optimizer or 'not offered by this server'}",
         "  limits  "
         + "  ".join(f"{f.name} {getattr(info.limits, f.name)}" for f in fields(info.limits)),
     ]

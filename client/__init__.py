@@ -5,6 +5,7 @@ Needs numpy, grpcio and protobuf only; it never imports TensorFlow or the server
 
 from pergrad.client._client import GradientClient
 from pergrad.client._credentials import Security
+from pergrad.client._steps import StepResult
 from pergrad.client._types import (
     MixedPlansWarning,
     ModelInfo,
@@ -22,5 +23,6 @@ __all__ = [
     "PergradError",
     "Security",
     "ServerLimits",
+    "StepResult",
     "TensorInfo",
 ]

@@ -15,6 +15,7 @@ from pergrad.client._call import Call
 from pergrad.client._channels import open_channel, replica_addresses
 from pergrad.client._credentials import Security
 from pergrad.client._spread import computed, micro_batched, spread
+from pergrad.client._steps import StepResult, on_all, on_one
 from pergrad.client._stream import pipelined
 from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
 from pergrad.client._weights import WeightsWriter, get_weights
@@ -95,6 +96,11 @@ class GradientClient:
             method_path("StreamPerExampleGradients"),
             request_serializer=pb.GradientsRequest.SerializeToString,
             response_deserializer=identity,
+        )
+        self._step_call = self._channel.unary_unary(
+            method_path("ApplyStep"),
+            request_serializer=pb.StepRequest.SerializeToString,
+            response_deserializer=pb.StepResponse.FromString,
         )
         self._replicas = replica_addresses(target)
         self._timeout = timeout
@@ -275,6 +281,52 @@ class GradientClient:
         )
         self._seen(model, version, weights_id)
         return version
+
+    @rpc_errors
+    def step(
+        self,
+        model: str,
+        x: Any,
+        y: Any,
+        *,
+        learning_rate: float,
+        expected_batch_size: float = 0,
+        reduction: str = "clipped_sum",
+        model_version: int = 0,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> StepResult:
+        """One training step on the server: the batch's gradient sum, divided by
+        `expected_batch_size` (0: the batch's size, a mean), applied by the server's
+        optimizer (`model_info().optimizer`); returns the new version and the batch's
+        losses, norms and num_clipped. The weights never cross the wire.
+
+        reduction "clipped_sum" is DP-SGD (options max_norm, noise_multiplier, seed; no
+        seed: fresh noise from the server's secure source); "moments" applies the plain
+        sum. `model_version` pins the step to those weights (FAILED_PRECONDITION
+        otherwise). With several replicas the sum is computed once (spread over them
+        with `micro_batch`) and every replica applies it with one new version; a replica
+        that fails is named in the error, and the others have applied the step.
+        """
+        call = self._call(model, reduction=reduction, model_version=model_version, **options)
+        timeout = timeout or self._timeout
+        step = pb.StepRequest(
+            model=model,
+            model_version=call.model_version,
+            weights_id=call.weights_id,
+            learning_rate=learning_rate,
+            expected_batch_size=expected_batch_size,
+        )
+        if len(self._replicas) == 1:
+            done = on_one(self._step_call, self._info(model), call, x, y, step, timeout)
+        else:
+            result = self.per_example_gradients(
+                model, x, y, reduction=reduction, model_version=model_version, **options
+            )
+            step.model_version = 0
+            done = on_all(self._writer(), self._info(model), result, call, step, timeout)
+        self._seen(model, done.model_version, done.weights_id)
+        return done
 
     def _writer(self) -> WeightsWriter:
         """One stub per replica, for calls that must reach each of them."""

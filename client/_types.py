@@ -126,6 +126,7 @@ class ModelInfo:
     plan: str = ""  # XLA or not, slice size, each layer's route
     plan_id: str = ""  # its fingerprint: equal on replicas that compute the same bits
     loss_dtype: np.dtype = _FLOAT32  # of every result's losses
+    optimizer: str = ""  # what ApplyStep (`GradientClient.step`) applies updates with
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo, *, max_bytes: int = MAX_MODEL_BYTES) -> ModelInfo:
@@ -157,6 +158,7 @@ class ModelInfo:
             plan=info.plan,
             plan_id=info.plan_id,
             loss_dtype=numpy_dtype(info.loss_dtype) if info.loss_dtype else _FLOAT32,
+            optimizer=info.optimizer,
         )
 
     @property

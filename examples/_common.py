@@ -38,13 +38,13 @@ def digits_split(
 
 
 @contextlib.contextmanager
-def server(target: str | None, model: str) -> Iterator[str]:
+def server(target: str | None, model: str, *flags: str) -> Iterator[str]:
     """Yields `target`, or when it is None starts `pergrad serve` on 127.0.0.1 (a free port,
-    just `model`) in a subprocess for the duration and yields its address."""
+    just `model`, and `flags`) in a subprocess for the duration and yields its address."""
     if target:
         yield target
         return
-    with LocalServer("--model", model) as local:
+    with LocalServer("--model", model, *flags) as local:
         yield local.target
 
 

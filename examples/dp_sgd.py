@@ -2,11 +2,12 @@
 differential privacy, and report test accuracy and the privacy spent per epoch.
 
 Each step draws a Poisson batch (every training example joins independently with
-probability q = batch_size / N) and asks the server for the CLIPPED_SUM of the batch's
-per-example gradients: each clipped to L2 norm C (--max-norm), summed, plus Gaussian noise
-N(0, (sigma C)^2) from a fresh seed. The noisy sum divided by the *expected* batch size
-qN drives SGD with momentum here, in numpy; the new weights go back with `set_weights`,
-and every request pins `model_version`, so no step uses stale weights.
+probability q = batch_size / N) and has the server take the step (`client.step`): it clips
+each example's gradient to L2 norm C (--max-norm), sums them, adds Gaussian noise
+N(0, (sigma C)^2) from a fresh seed, divides by the *expected* batch size qN and applies
+the result with its optimizer (SGD with --momentum on the server this script starts; a
+--target server's own `--optimizer` otherwise). Neither the weights nor the sum crosses
+the wire, and every step pins the version the last one made, so none uses stale weights.
 
 The privacy spent is the epsilon at --delta of the Poisson-subsampled Gaussian mechanism
 composed over the steps taken, from Google's dp-accounting (PLD accountant, add-or-remove-
@@ -25,7 +26,7 @@ from _common import digits_split, predict, print_summary, server
 from dp_accounting import pld
 from tqdm import tqdm
 
-from pergrad.client import GradientClient
+from pergrad.client import GradientClient, StepResult
 
 
 def epsilon(sampling_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
@@ -41,7 +42,7 @@ def epsilon(sampling_rate: float, noise_multiplier: float, steps: int, delta: fl
 
 
 class DpSgd:
-    """DP-SGD with momentum: the server clips, sums and noises; numpy updates here."""
+    """DP-SGD steps taken on the server: it clips, sums, noises and applies the update."""
 
     def __init__(
         self,
@@ -52,36 +53,28 @@ class DpSgd:
         noise_multiplier: float,
         expected_batch_size: float,
         lr: float,
-        momentum: float = 0.0,
     ) -> None:
         self.client, self.model = client, model
         self.max_norm, self.noise_multiplier = max_norm, noise_multiplier
-        self.expected_batch_size, self.lr, self.momentum = expected_batch_size, lr, momentum
-        self.version, self.weights = client.get_weights(model)
-        self.velocity = {name: np.zeros_like(w) for name, w in self.weights.items()}
+        self.expected_batch_size, self.lr = expected_batch_size, lr
+        self.version = client.model_info(model).model_version
 
-    def step(self, x: np.ndarray, y: np.ndarray, *, seed: int | None = None) -> None:
-        """One step on a batch, computed on the weights of `self.version` (pinned), the
-        result pushed with a compare-and-swap on that version. Without a seed the server
-        draws the noise from its operating system's secure random source."""
-        r = self.client.per_example_gradients(
+    def step(self, x: np.ndarray, y: np.ndarray, *, seed: int | None = None) -> StepResult:
+        """One step on a batch, from the weights of `self.version` (pinned). Without a seed
+        the server draws the noise from its operating system's secure random source."""
+        done = self.client.step(
             self.model,
             x,
             y,
-            reduction="clipped_sum",
+            learning_rate=self.lr,
+            expected_batch_size=self.expected_batch_size,
             max_norm=self.max_norm,
             noise_multiplier=self.noise_multiplier,
             seed=seed,
             model_version=self.version,
         )
-        for name, noisy_sum in r.clipped_sum.items():
-            self.velocity[name] = self.momentum * self.velocity[name] + (
-                noisy_sum / self.expected_batch_size
-            )
-            self.weights[name] -= self.lr * self.velocity[name]
-        self.version = self.client.set_weights(
-            self.model, self.weights, expected_version=self.version
-        )
+        self.version = done.model_version
+        return done
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -95,14 +88,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-norm", type=float, default=1.0, help="clipping bound C")
     parser.add_argument("--noise-multiplier", type=float, default=1.0, help="sigma")
     parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument(
+        "--momentum", type=float, default=0.9, help="of the server's SGD, when it starts one"
+    )
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument(
         "--seed", type=int, help="sampling and noise seed, to reproduce a run (default: fresh)"
     )
     args = parser.parse_args(argv)
 
-    with server(args.target, args.model) as target, GradientClient(target) as client:
+    optimizer = f"sgd:momentum={args.momentum}"
+    with (
+        server(args.target, args.model, "--optimizer", optimizer) as target,
+        GradientClient(target) as client,
+    ):
         x, y, x_test, y_test = digits_split(client, args.model)
         q = args.batch_size / len(x)
         steps_per_epoch = round(1 / q)
@@ -116,11 +115,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             noise_multiplier=args.noise_multiplier,
             expected_batch_size=q * len(x),
             lr=args.lr,
-            momentum=args.momentum,
         )
         print(
             f"DP-SGD on {len(x)} digits, {args.model} at {target}: q={q:.4f}, "
-            f"C={args.max_norm}, sigma={args.noise_multiplier}, {steps_per_epoch} steps/epoch"
+            f"C={args.max_norm}, sigma={args.noise_multiplier}, {steps_per_epoch} steps/epoch, "
+            f"{client.model_info(args.model).optimizer} on the server"
         )
         progress = tqdm(total=args.epochs * steps_per_epoch, unit="step")
         for epoch in range(1, args.epochs + 1):

@@ -1,9 +1,10 @@
 """Bearer-token authentication: a gRPC server interceptor and the token file it reads.
 
 The token file holds one token per line; `token:ro` marks a read-only token, which may
-call every method but SetWeights. Blank lines and lines starting with `#` are skipped.
+call every method but SetWeights and ApplyStep (those that change weights). Blank lines
+and lines starting with `#` are skipped.
 A call presents its token as metadata `authorization: Bearer <token>`; a missing or
-unknown token ends it with UNAUTHENTICATED, a read-only token calling SetWeights with
+unknown token ends it with UNAUTHENTICATED, a read-only token calling either with
 PERMISSION_DENIED. Health and reflection stay open, so probes need no token. A refused
 call ends at once, before its request is read or its handler looked up, on the threads
 kept for refusals (`handlers.refusal`): it waits behind no busy worker and holds no worker,
@@ -29,7 +30,7 @@ from pergrad.wire.rpc import OPEN_SERVICES, method_path, split_method, streaming
 
 READ_ONLY_SUFFIX = ":ro"
 # Methods that change the server's state: read-write tokens only.
-WRITE_METHODS = frozenset({method_path("SetWeights")})
+WRITE_METHODS = frozenset({method_path("SetWeights"), method_path("ApplyStep")})
 
 
 class TokenFileError(ValueError):

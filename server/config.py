@@ -25,6 +25,43 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class OptimizerSpec:
+    """--optimizer: a Keras optimizer's name and settings, "name[:key=value,...]"; whether
+    Keras has them is checked as the models load (`pergrad.server.training`)."""
+
+    text: str
+    name: str
+    options: tuple[tuple[str, float | int | bool], ...]
+
+
+def parse_optimizer(text: str) -> OptimizerSpec:
+    name, _, rest = text.partition(":")
+    options = []
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip().isidentifier():
+            raise ConfigError(
+                f"--optimizer {text!r}: settings are key=value, comma-separated "
+                "(e.g. sgd:momentum=0.9,nesterov=true)"
+            )
+        options.append((key.strip(), _setting(text, value.strip())))
+    if not name.strip().isidentifier():
+        raise ConfigError(f"--optimizer {text!r}: begins with an optimizer's name, e.g. sgd")
+    return OptimizerSpec(text, name.strip().lower(), tuple(options))
+
+
+def _setting(text: str, value: str) -> float | int | bool:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"--optimizer {text!r}: {value!r} is not a number, true or false")
+
+
+@dataclass(frozen=True)
 class Config:
     host: str = "0.0.0.0"
     port: int = 50051
@@ -45,6 +82,7 @@ class Config:
     max_coalesced_batch: int = 128
     grace_s: float = 10.0
     jit_compile: str = "auto"
+    optimizer: str = "sgd"
     replica_name: str = f"{socket.gethostname()}/{os.getpid()}"
     max_connection_age_s: float = 300.0
     log_level: str = "INFO"
@@ -106,6 +144,7 @@ class Config:
                 f"--max-coalesced-batch must be >= 0 (0 turns coalescing off), "
                 f"got {self.max_coalesced_batch}"
             )
+        parse_optimizer(self.optimizer)
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
         if self.model_dir is not None and not self.model_dir.is_dir():
@@ -228,6 +267,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="XLA: auto (measured per model), on or off",
     )
     parser.add_argument(
+        "--optimizer",
+        default=_env("OPTIMIZER", d.optimizer),
+        help="the Keras optimizer ApplyStep uses, its state held per model: name[:key=value,"
+        "...], e.g. sgd, sgd:momentum=0.9, adam:beta_2=0.99 (the learning rate is each step's)",
+    )
+    parser.add_argument(
         "--replica-name",
         default=_env("REPLICA_NAME", d.replica_name),
         help="names this server in results (default: hostname/pid)",
@@ -294,6 +339,7 @@ def from_args(args: argparse.Namespace) -> Config:
         max_coalesced_batch=_number(args, "max_coalesced_batch", int),
         grace_s=_number(args, "grace_s", float),
         jit_compile=str(args.jit_compile),
+        optimizer=str(args.optimizer),
         replica_name=str(args.replica_name),
         max_connection_age_s=_number(args, "max_connection_age_s", float),
         log_level=str(args.log_level).upper(),

@@ -154,6 +154,21 @@ def responses(
                 yield encode_chunk(request_id, *part)
 
 
+def reduced(
+    work: Work,
+    admission: Admission,
+    cancelled: Callable[[], bool],
+    caller: str = "",
+    held_bytes: int = 0,
+) -> GradientResult:
+    """`work`'s reduction computed alone, admitted like a request's, its values finite
+    (ApplyStep's gradient)."""
+    with admission.admit(work.batch.size, work.result_bytes, caller, held_bytes), in_flight():
+        result = _alone(work, cancelled)
+    _finite([array for _, _, array in result_arrays(result)])
+    return result
+
+
 def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeader:
     return result_header(
         model=work.served.name,

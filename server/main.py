@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2_grpc
 from pergrad.server.admission import Admission
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
-from pergrad.server.config import JIT_CHOICES, Config
+from pergrad.server.config import JIT_CHOICES, Config, parse_optimizer
 from pergrad.server.guard import CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
@@ -25,6 +25,7 @@ from pergrad.server.models.registry import ModelRegistry, load_model
 from pergrad.server.reflection import add_reflection
 from pergrad.server.service import GradientServicer, add_to_server
 from pergrad.server.tls import server_credentials
+from pergrad.server.training import make_optimizer
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
@@ -77,12 +78,15 @@ class RunningServer:
 
 def build_registry(config: Config) -> ModelRegistry:
     specs = config.models or tuple(BUILTIN_MODELS)
+    optimizer = parse_optimizer(config.optimizer)
+    make_optimizer(optimizer)  # a bad --optimizer stops the start before any model loads
     return ModelRegistry(
         load_model(
             spec,
             model_dir=config.model_dir,
             loss=config.loss,
             jit_compile=JIT_CHOICES[config.jit_compile],
+            optimizer=optimizer,
         )
         for spec in specs
     )

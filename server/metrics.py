@@ -226,13 +226,13 @@ class ServerMetrics:
         )
         self._weights_updates = Counter(
             "pergrad_weights_updates_total",
-            "Successful SetWeights updates.",
+            "Successful weight updates (SetWeights and ApplyStep).",
             ("model",),
             registry=r,
         )
         self._weights_failures = Counter(
             "pergrad_weights_update_failures_total",
-            "SetWeights calls for a served model that changed nothing because they failed.",
+            "SetWeights and ApplyStep calls for a served model that failed, changing nothing.",
             ("model",),
             registry=r,
         )
@@ -323,5 +323,5 @@ class ServerMetrics:
         self.weights_version(model, version)
 
     def weights_update_failed(self, model: str) -> None:
-        """A SetWeights for a served model that changed nothing."""
+        """A SetWeights or ApplyStep for a served model that changed nothing."""
         self._weights_failures.labels(model).inc()

@@ -20,13 +20,21 @@ from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import parser, status
+from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.chunks import serialize
-from pergrad.wire.codec import TensorAssembler, iter_chunks, numpy_dtype, tensor_spec, wire_dtype
+from pergrad.wire.codec import (
+    TensorAssembler,
+    encode_tensor,
+    iter_chunks,
+    numpy_dtype,
+    tensor_spec,
+    wire_dtype,
+)
 from pergrad.wire.rpc import SERVICE
 
 _LOGGER = logging.getLogger(__name__)
@@ -90,6 +98,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             plan=engine.plan_text,
             plan_id=engine.plan_id,
             loss_dtype=wire_dtype(engine.loss_dtype),
+            optimizer=served.trainer.description,
         )
 
     @status
@@ -170,6 +179,38 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 yield from tracked(self.metrics, request, messages, context)
             except PergradServerError as err:
                 raise type(err)(f"request {request.request_id}: {err}") from err
+
+    @status
+    def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+        served = self._registry.get(request.model)
+        try:
+            step = apply_step(
+                served,
+                request,
+                self._settings,
+                self._admission,
+                cancelled=lambda: not context.is_active(),
+                caller=caller_of(context, self._config.auth_token_file is not None),
+                held_bytes=request.ByteSize(),
+            )
+        except Exception:
+            self.metrics.weights_update_failed(served.name)
+            raise
+        snapshot = step.snapshot
+        self.metrics.weights_updated(served.name, snapshot.version)
+        response = pb.StepResponse(
+            model=served.name,
+            model_version=snapshot.version,
+            weights_id=snapshot.weights_id,
+            server=self._config.replica_name,
+            gradient_norm=step.gradient_norm,
+        )
+        if step.result is not None:
+            response.losses.CopyFrom(encode_tensor(step.result.losses))
+            if step.result.norms is not None:
+                response.norms.CopyFrom(encode_tensor(step.result.norms))
+                response.num_clipped = int(step.result.num_clipped)
+        return response
 
     def _gradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext, held_bytes: int = 0

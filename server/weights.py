@@ -4,6 +4,9 @@ A request takes one snapshot at its start and computes with it to the end, so an
 update never tears a computation; an update validates everything before the swap,
 so a rejected one changes nothing.
 
+A snapshot also holds its optimizer's state (`pergrad.server.training`): a step makes
+the next snapshot with the state it leaves, SetWeights one without (a fresh start).
+
 Each snapshot has a version (1 at start, growing with every update, at most MAX_VERSION)
 and a weights_id, a digest of its content: versions start again at 1 when a server
 restarts, so a pin by version alone could meet other weights; a pin by id cannot.
@@ -35,6 +38,7 @@ class Snapshot:
     version: int
     trainable: tuple[tf.Tensor, ...]
     weights_id: str
+    optimizer_state: tuple[tf.Tensor, ...] | None = None  # None: the optimizer's fresh state
 
 
 def weights_id(variables: Sequence[VariableSpec], arrays: Sequence[np.ndarray]) -> str:
@@ -111,8 +115,7 @@ class WeightsStore:
         grows by one.
         """
         self.check([(name, array.dtype, array.shape) for name, array in arrays.items()])
-        if not 0 <= new_version <= MAX_VERSION:
-            raise InvalidArgument(f"new_version: must be in [0, 2^62], got {new_version}")
+        _check_new_version(new_version)
         ordered = [arrays[spec.name] for spec in self._variables]
         bad = [s.name for s, a in zip(self._variables, ordered, strict=True) if not _finite(a)]
         if bad:
@@ -131,15 +134,38 @@ class WeightsStore:
                     f"expected weights_id {expected_id}, but current is {current.weights_id}; "
                     "another update came first, or the server restarted"
                 )
-            if new_version and not 0 < new_version - current.version <= MAX_VERSION_STEP:
+            self._current = Snapshot(_next(current, new_version), tensors, identity)
+            return self._current
+
+    def advance(
+        self,
+        step: Snapshot,
+        trainable: Sequence[tf.Tensor],
+        optimizer_state: Sequence[tf.Tensor],
+        *,
+        new_version: int = 0,
+    ) -> Snapshot:
+        """Make a step's result current, if `step` (the snapshot it started from) still
+        is: with the optimizer's new state, all at once; returns the new snapshot."""
+        _check_new_version(new_version)
+        arrays = [t.numpy() for t in trainable]
+        bad = [s.name for s, a in zip(self._variables, arrays, strict=True) if not _finite(a)]
+        if bad:
+            raise FailedPrecondition(
+                f"the step would make weights {bad} NaN or infinite; nothing was changed "
+                "(a smaller learning rate, or max_norm, keeps them finite)"
+            )
+        identity = weights_id(self._variables, arrays)
+        with self._lock:
+            current = self._current
+            if current is not step:
                 raise FailedPrecondition(
-                    f"new_version {new_version} must exceed the current version "
-                    f"{current.version} by 1 to 2^32"
+                    f"the weights changed during the step (version {step.version} became "
+                    f"{current.version}: a SetWeights came first); nothing was applied"
                 )
-            version = new_version or current.version + 1
-            if version > MAX_VERSION:
-                raise FailedPrecondition(f"version {current.version} is the last one (2^62)")
-            self._current = Snapshot(version, tensors, identity)
+            version = _next(current, new_version)
+            state = tuple(optimizer_state)
+            self._current = Snapshot(version, tuple(trainable), identity, state)
             return self._current
 
     def arrays(self, snapshot: Snapshot) -> dict[str, np.ndarray]:
@@ -147,6 +173,24 @@ class WeightsStore:
             spec.name: tensor.numpy()
             for spec, tensor in zip(self._variables, snapshot.trainable, strict=True)
         }
+
+
+def _check_new_version(new_version: int) -> None:
+    if not 0 <= new_version <= MAX_VERSION:
+        raise InvalidArgument(f"new_version: must be in [0, 2^62], got {new_version}")
+
+
+def _next(current: Snapshot, new_version: int) -> int:
+    """The version after `current`: `new_version` if given (checked), else one more."""
+    if new_version and not 0 < new_version - current.version <= MAX_VERSION_STEP:
+        raise FailedPrecondition(
+            f"new_version {new_version} must exceed the current version "
+            f"{current.version} by 1 to 2^32"
+        )
+    version = new_version or current.version + 1
+    if version > MAX_VERSION:
+        raise FailedPrecondition(f"version {current.version} is the last one (2^62)")
+    return version
 
 
 def _finite(array: np.ndarray) -> bool:

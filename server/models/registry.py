@@ -10,12 +10,16 @@ from typing import Any
 
 import keras
 
+from pergrad.server.config import OptimizerSpec, parse_optimizer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
 from pergrad.server.errors import NotFound
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
+from pergrad.server.training import Trainer
 from pergrad.server.weights import WeightsStore
+
+DEFAULT_OPTIMIZER = parse_optimizer("sgd")
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -25,20 +29,32 @@ class ServedModel:
     name: str
     engine: Engine
     weights: WeightsStore
+    trainer: Trainer
 
 
 def serve_model(
-    name: str, model: keras.Model, *, loss: Any = None, jit_compile: JitCompile = "auto"
+    name: str,
+    model: keras.Model,
+    *,
+    loss: Any = None,
+    jit_compile: JitCompile = "auto",
+    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
 ) -> ServedModel:
     try:
         engine = Engine(model, loss=loss, jit_compile=jit_compile)
     except ValueError as err:
         raise ModelLoadError(f"model {name!r} cannot be served: {err}") from err
-    return ServedModel(name, engine, WeightsStore(engine.variables, engine.initial_weights()))
+    weights = WeightsStore(engine.variables, engine.initial_weights())
+    return ServedModel(name, engine, weights, Trainer(model, optimizer))
 
 
 def load_model(
-    spec: str, *, model_dir: Path | None, loss: Any = None, jit_compile: JitCompile = "auto"
+    spec: str,
+    *,
+    model_dir: Path | None,
+    loss: Any = None,
+    jit_compile: JitCompile = "auto",
+    optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
 ) -> ServedModel:
     """A built-in model by name, or a `.keras` file (named by its file stem)."""
     if spec in BUILTIN_MODELS:
@@ -46,7 +62,7 @@ def load_model(
     else:
         path = resolve_model_path(spec, model_dir)
         spec, model = path.stem, load_keras_file(path)
-    return serve_model(spec, model, loss=loss, jit_compile=jit_compile)
+    return serve_model(spec, model, loss=loss, jit_compile=jit_compile, optimizer=optimizer)
 
 
 class ModelRegistry:

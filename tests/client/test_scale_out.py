@@ -199,3 +199,59 @@ def test_result_mixing_weights_versions_is_refused(own_replicas) -> None:
         many.per_example_gradients(MODEL, x, y)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "r0 v2" in err.value.message and "r1 v1" in err.value.message
+
+
+@pytest.fixture()
+def trained_replicas() -> Iterator[list[str]]:
+    """Two mnist_mlp replicas stepping with momentum, whose state a step must carry."""
+    running = [
+        start(loopback_config("mnist_mlp", replica_name=f"r{i}", optimizer="sgd:momentum=0.9"))
+        for i in range(2)
+    ]
+    yield [f"127.0.0.1:{server.port}" for server in running]
+    for server in running:
+        server.stop(0)
+
+
+def _step(client: GradientClient, model: str, x: np.ndarray, y: np.ndarray, seed: int):
+    return client.step(
+        model, x, y, learning_rate=0.1, max_norm=1.0, noise_multiplier=1.0, seed=seed
+    )
+
+
+def test_steps_leave_every_replica_on_the_same_weights_version_and_state(
+    trained_replicas,
+) -> None:
+    """Micro-batches spread over both; after the steps, each replica stepped alone once
+    more with the same batch gives the same weights: their momentum agrees too."""
+    x, y = batch_for((784,), 10, 64)
+    with GradientClient(_many(trained_replicas), micro_batch=16) as many:
+        steps = [_step(many, "mnist_mlp", x, y, seed) for seed in range(3)]
+    assert [s.model_version for s in steps] == [2, 3, 4]
+    assert set(steps[-1].server.split(",")) == {"r0", "r1"}
+    after = []
+    for target in trained_replicas:
+        with GradientClient(target) as one:
+            info = one.model_info("mnist_mlp")
+            assert (info.model_version, info.weights_id) == (4, steps[-1].weights_id)
+            after.append(_step(one, "mnist_mlp", x, y, seed=9).weights_id)
+    assert after[0] == after[1]
+
+
+def test_a_step_with_a_replica_gone_names_it_and_no_replica_applies_it(processes) -> None:
+    (victim, victim_target), (_, survivor) = processes
+    x, y = batch_for((28, 28, 1), 10, 32)
+    with GradientClient(survivor) as one:
+        before = one.model_info(MODEL)
+    victim.kill()
+    victim.wait(timeout=30)
+    with (
+        GradientClient(_many([victim_target, survivor]), timeout=30) as many,
+        pytest.raises(PergradError) as refused,
+    ):
+        _step(many, MODEL, x, y, seed=1)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    assert victim_target in refused.value.message
+    with GradientClient(survivor) as one:
+        after = one.model_info(MODEL)
+    assert (after.model_version, after.weights_id) == (before.model_version, before.weights_id)

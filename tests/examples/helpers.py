@@ -17,8 +17,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @contextlib.contextmanager
 def fresh_target() -> Iterator[str]:
     """A server of its own on 127.0.0.1 (port 0) with both built-in digit models: the
-    examples train, so each gets the initial weights."""
-    running = start(loopback_config("mnist_mlp", "mnist_cnn", max_batch=512))
+    examples train, so each gets the initial weights (and the SGD with momentum that
+    `dp_sgd.py` starts its own server with)."""
+    config = loopback_config("mnist_mlp", "mnist_cnn", max_batch=512, optimizer="sgd:momentum=0.9")
+    running = start(config)
     try:
         yield f"127.0.0.1:{running.port}"
     finally:

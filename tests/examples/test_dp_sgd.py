@@ -75,9 +75,8 @@ def test_a_dp_sgd_step_equals_clip_sum_seeded_noise_and_sgd_in_numpy(
         noise_multiplier=NOISE,
         expected_batch_size=EXPECTED_BATCH,
         lr=LR,
-        momentum=0.9,
     )
-    before = {name: w.astype(np.float64) for name, w in dp.weights.items()}
+    before = {name: w.astype(np.float64) for name, w in client.get_weights("mnist_cnn")[1].items()}
     noisy, norms = _reference_step(client, dp.version, x, y, seed=1234)
     assert 0 < (norms > MAX_NORM).sum() < len(x)  # some examples clipped, some not
 
@@ -96,7 +95,8 @@ def test_a_dp_sgd_step_refuses_weights_another_writer_changed(client: GradientCl
     dp = DpSgd(
         client, "mnist_cnn", max_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, lr=0.1
     )
-    client.set_weights("mnist_cnn", dp.weights)  # someone else moves the model to version 2
+    _, weights = client.get_weights("mnist_cnn")
+    client.set_weights("mnist_cnn", weights)  # someone else moves the model to version 2
     with pytest.raises(PergradError) as failure:
         dp.step(x[:8], y[:8], seed=0)
     assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -126,6 +126,25 @@ def test_read_only_token_cannot_set_weights(server: RunningServer) -> None:
         assert client.model_info("mnist_mlp").model_version == version
 
 
+def test_read_only_token_cannot_step(server: RunningServer) -> None:
+    x, y = batch_for((784,), 10, 4)
+    with connect(server, READER) as client:
+        before = client.model_info("mnist_mlp")
+        with pytest.raises(PergradError) as refused:
+            client.step("mnist_mlp", x, y, learning_rate=0.1, max_norm=1.0)
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "ApplyStep" in refused.value.message
+        assert client.model_info("mnist_mlp").weights_id == before.weights_id
+
+
+def test_read_write_token_steps(server: RunningServer) -> None:
+    x, y = batch_for((784,), 10, 4)
+    with connect(server, WRITER) as client:
+        version = client.model_info("mnist_mlp").model_version
+        step = client.step("mnist_mlp", x, y, learning_rate=0.1, max_norm=1.0)
+    assert step.model_version == version + 1
+
+
 def test_read_write_token_sets_weights(server: RunningServer) -> None:
     with connect(server, WRITER) as client:
         version, weights = client.get_weights("mnist_mlp")

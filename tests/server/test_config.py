@@ -82,6 +82,9 @@ def test_metrics_port_reads_its_environment_and_flag(monkeypatch: pytest.MonkeyP
         (["--batch-window-ms", "nan"], "--batch-window-ms must be in"),
         (["--max-coalesced-batch", "-4"], "--max-coalesced-batch must be >= 0"),
         (["--max-coalesced-batch", "many"], "--max-coalesced-batch .* must be a number"),
+        (["--optimizer", "sgd:momentum"], "--optimizer 'sgd:momentum': settings are key=value"),
+        (["--optimizer", "adam:beta_1=high"], "'high' is not a number, true or false"),
+        (["--optimizer", ":momentum=0.9"], "begins with an optimizer's name"),
     ],
 )
 def test_invalid_settings_are_refused_naming_the_flag(argv: list[str], message: str) -> None:

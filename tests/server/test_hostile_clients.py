@@ -27,7 +27,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
-from pergrad.server.engine import Engine
 from pergrad.server.guard import EVICTABLE_AFTER_S
 from pergrad.server.main import (
     OPEN_CALLS,
@@ -39,8 +38,7 @@ from pergrad.server.main import (
     start,
 )
 from pergrad.server.models.builtin import LOSS
-from pergrad.server.models.registry import ModelRegistry, ServedModel
-from pergrad.server.weights import WeightsStore
+from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_model
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
@@ -676,10 +674,7 @@ def test_computed_ids_outside_the_table_fail_their_caller_alone() -> None:
     alone; the bad one INVALID_ARGUMENT (before: most neighbours got INTERNAL, or results
     computed from another row)."""
     model, loss = FAMILIES["computed_ids"].build()
-    engine = Engine(model, loss=loss, jit_compile=True)
-    served = ServedModel(
-        "computed_ids", engine, WeightsStore(engine.variables, engine.initial_weights())
-    )
+    served = serve_model("computed_ids", model, loss=loss, jit_compile=True)
     running = start(loopback_config("mnist_mlp"), ModelRegistry([served]))
     rng = np.random.default_rng(0)
     honest = [
@@ -929,8 +924,7 @@ def _slow_model(
     """A model whose pass `pause` holds (by default: Sleep)."""
     inputs = keras.Input((features,))
     outputs = keras.layers.Dense(3)((pause or Sleep(name="sleep"))(inputs))
-    engine = Engine(keras.Model(inputs, outputs), loss=LOSS, jit_compile=False)
-    return ServedModel(name, engine, WeightsStore(engine.variables, engine.initial_weights()))
+    return serve_model(name, keras.Model(inputs, outputs), loss=LOSS, jit_compile=False)
 
 
 def test_a_models_first_shared_pass_holds_up_no_call_to_another_model() -> None:

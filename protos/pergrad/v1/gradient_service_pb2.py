@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pergrad.v1 import tensor_pb2 as pergrad_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pergrad/v1/gradient_service.proto\x12\npergrad.v1\x1a\x17pergrad/v1/tensor.proto\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x8c\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12)\n\tvariables\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12%\n\x05input\x18\x04 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12&\n\x06labels\x18\x05 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x0c\n\x04loss\x18\x06 \x01(\t\x12\x13\n\x0bnum_classes\x18\x07 \x01(\x03\x12\x0e\n\x06server\x18\x08 \x01(\t\x12\x12\n\nweights_id\x18\t \x01(\t\x12&\n\x06inputs\x18\n \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12(\n\x06limits\x18\x0b \x01(\x0b\x32\x18.pergrad.v1.ServerLimits\x12\x0c\n\x04plan\x18\x0c \x01(\t\x12\x0f\n\x07plan_id\x18\r \x01(\t\x12(\n\nloss_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\"\x94\x01\n\x0cServerLimits\x12\x11\n\tmax_batch\x18\x01 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x02 \x01(\x03\x12\x1d\n\x15max_inflight_examples\x18\x03 \x01(\x03\x12\x1a\n\x12max_inflight_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13max_coalesced_batch\x18\x05 \x01(\x03\"\"\n\x11GetWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x87\x01\n\rWeightsHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x13\n\x0bnew_version\x18\x04 \x01(\x03\x12\x12\n\nweights_id\x18\x05 \x01(\t\"o\n\x0eWeightsMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pergrad.v1.WeightsHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part\"N\n\x12SetWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nweights_id\x18\x03 \x01(\t\"\x8b\x06\n\x10GradientsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\"\n\x06inputs\x18\x03 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\"\n\x06labels\x18\x04 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12(\n\treduction\x18\x06 \x01(\x0e\x32\x15.pergrad.v1.Reduction\x12\x11\n\tvariables\x18\x07 \x03(\t\x12\x15\n\x08max_norm\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10noise_multiplier\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x02\x88\x01\x01\x12>\n\treference\x18\x0b \x03(\x0b\x32+.pergrad.v1.GradientsRequest.ReferenceEntry\x12\x10\n\x03\x64im\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x33\n\nprojection\x18\r \x01(\x0e\x32\x1a.pergrad.v1.ProjectionKindH\x04\x88\x01\x01\x12(\n\nwire_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\x12\n\nweights_id\x18\x0f \x01(\t\x12\x43\n\x0cnamed_inputs\x18\x10 \x03(\x0b\x32-.pergrad.v1.GradientsRequest.NamedInputsEntry\x12\x15\n\rinline_result\x18\x11 \x01(\x08\x1a\x44\n\x0eReferenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x1a\x46\n\x10NamedInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x42\x0b\n\t_max_normB\x13\n\x11_noise_multiplierB\x07\n\x05_seedB\x06\n\x04_dimB\r\n\x0b_projection\"E\n\x0cResultTensor\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\"\xb6\x01\n\x0cResultHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12)\n\x07outputs\x18\x04 \x03(\x0b\x32\x18.pergrad.v1.ResultTensor\x12\x0e\n\x06server\x18\x05 \x01(\t\x12\x12\n\nweights_id\x18\x06 \x01(\t\x12\x0f\n\x07plan_id\x18\x07 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"\x85\x01\n\x11GradientsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x18.pergrad.v1.ResultHeaderH\x00\x12(\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part*\x90\x01\n\tReduction\x12\x12\n\x0eREDUCTION_NONE\x10\x00\x12\x13\n\x0fREDUCTION_NORMS\x10\x01\x12\x19\n\x15REDUCTION_CLIPPED_SUM\x10\x02\x12\x15\n\x11REDUCTION_MOMENTS\x10\x03\x12\x11\n\rREDUCTION_DOT\x10\x04\x12\x15\n\x11REDUCTION_PROJECT\x10\x05*N\n\x0eProjectionKind\x12\x1e\n\x1aPROJECTION_KIND_RADEMACHER\x10\x00\x12\x1c\n\x18PROJECTION_KIND_GAUSSIAN\x10\x01\x32\xf8\x03\n\x0fGradientService\x12K\n\nListModels\x12\x1d.pergrad.v1.ListModelsRequest\x1a\x1e.pergrad.v1.ListModelsResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pergrad.v1.GetModelInfoRequest\x1a\x15.pergrad.v1.ModelInfo\x12I\n\nGetWeights\x12\x1d.pergrad.v1.GetWeightsRequest\x1a\x1a.pergrad.v1.WeightsMessage0\x01\x12J\n\nSetWeights\x12\x1a.pergrad.v1.WeightsMessage\x1a\x1e.pergrad.v1.SetWeightsResponse(\x01\x12[\n\x1a\x43omputePerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse0\x01\x12\\\n\x19StreamPerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pergrad/v1/gradient_service.proto\x12\npergrad.v1\x1a\x17pergrad/v1/tensor.proto\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x9f\x03\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12)\n\tvariables\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12%\n\x05input\x18\x04 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12&\n\x06labels\x18\x05 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x0c\n\x04loss\x18\x06 \x01(\t\x12\x13\n\x0bnum_classes\x18\x07 \x01(\x03\x12\x0e\n\x06server\x18\x08 \x01(\t\x12\x12\n\nweights_id\x18\t \x01(\t\x12&\n\x06inputs\x18\n \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12(\n\x06limits\x18\x0b \x01(\x0b\x32\x18.pergrad.v1.ServerLimits\x12\x0c\n\x04plan\x18\x0c \x01(\t\x12\x0f\n\x07plan_id\x18\r \x01(\t\x12(\n\nloss_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\x11\n\toptimizer\x18\x0f \x01(\t\"\x94\x01\n\x0cServerLimits\x12\x11\n\tmax_batch\x18\x01 \x01(\x03\x12\x19\n\x11max_request_bytes\x18\x02 \x01(\x03\x12\x1d\n\x15max_inflight_examples\x18\x03 \x01(\x03\x12\x1a\n\x12max_inflight_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13max_coalesced_batch\x18\x05 \x01(\x03\"\"\n\x11GetWeightsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x87\x01\n\rWeightsHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.pergrad.v1.TensorSpec\x12\x13\n\x0bnew_version\x18\x04 \x01(\x03\x12\x12\n\nweights_id\x18\x05 \x01(\t\"o\n\x0eWeightsMessage\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.pergrad.v1.WeightsHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part\"N\n\x12SetWeightsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nweights_id\x18\x03 \x01(\t\"\x8b\x06\n\x10GradientsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\"\n\x06inputs\x18\x03 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\"\n\x06labels\x18\x04 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\x12\n\nrequest_id\x18\x05 \x01(\x04\x12(\n\treduction\x18\x06 \x01(\x0e\x32\x15.pergrad.v1.Reduction\x12\x11\n\tvariables\x18\x07 \x03(\t\x12\x15\n\x08max_norm\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x1d\n\x10noise_multiplier\x18\t \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x02\x88\x01\x01\x12>\n\treference\x18\x0b \x03(\x0b\x32+.pergrad.v1.GradientsRequest.ReferenceEntry\x12\x10\n\x03\x64im\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x33\n\nprojection\x18\r \x01(\x0e\x32\x1a.pergrad.v1.ProjectionKindH\x04\x88\x01\x01\x12(\n\nwire_dtype\x18\x0e \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\x12\n\nweights_id\x18\x0f \x01(\t\x12\x43\n\x0cnamed_inputs\x18\x10 \x03(\x0b\x32-.pergrad.v1.GradientsRequest.NamedInputsEntry\x12\x15\n\rinline_result\x18\x11 \x01(\x08\x1a\x44\n\x0eReferenceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x1a\x46\n\x10NamedInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\x42\x0b\n\t_max_normB\x13\n\x11_noise_multiplierB\x07\n\x05_seedB\x06\n\x04_dimB\r\n\x0b_projection\"E\n\x0cResultTensor\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.pergrad.v1.TensorSpec\"\xb6\x01\n\x0cResultHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12)\n\x07outputs\x18\x04 \x03(\x0b\x32\x18.pergrad.v1.ResultTensor\x12\x0e\n\x06server\x18\x05 \x01(\t\x12\x12\n\nweights_id\x18\x06 \x01(\t\x12\x0f\n\x07plan_id\x18\x07 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x08 \x01(\x0c\"\xc5\x02\n\x0bStepRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nweights_id\x18\x03 \x01(\t\x12\x13\n\x0bnew_version\x18\x04 \x01(\x03\x12+\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x1c.pergrad.v1.GradientsRequest\x12>\n\x0cgradient_sum\x18\x06 \x03(\x0b\x32(.pergrad.v1.StepRequest.GradientSumEntry\x12\x15\n\rlearning_rate\x18\x07 \x01(\x01\x12\x1b\n\x13\x65xpected_batch_size\x18\x08 \x01(\x01\x1a\x46\n\x10GradientSumEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pergrad.v1.Tensor:\x02\x38\x01\"\xcb\x01\n\x0cStepResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\x12\x12\n\nweights_id\x18\x03 \x01(\t\x12\x0e\n\x06server\x18\x04 \x01(\t\x12\"\n\x06losses\x18\x05 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12!\n\x05norms\x18\x06 \x01(\x0b\x32\x12.pergrad.v1.Tensor\x12\x13\n\x0bnum_clipped\x18\x07 \x01(\x03\x12\x15\n\rgradient_norm\x18\x08 \x01(\x01\"\x85\x01\n\x11GradientsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x06header\x18\x02 \x01(\x0b\x32\x18.pergrad.v1.ResultHeaderH\x00\x12(\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x17.pergrad.v1.TensorChunkH\x00\x42\x06\n\x04part*\x90\x01\n\tReduction\x12\x12\n\x0eREDUCTION_NONE\x10\x00\x12\x13\n\x0fREDUCTION_NORMS\x10\x01\x12\x19\n\x15REDUCTION_CLIPPED_SUM\x10\x02\x12\x15\n\x11REDUCTION_MOMENTS\x10\x03\x12\x11\n\rREDUCTION_DOT\x10\x04\x12\x15\n\x11REDUCTION_PROJECT\x10\x05*N\n\x0eProjectionKind\x12\x1e\n\x1aPROJECTION_KIND_RADEMACHER\x10\x00\x12\x1c\n\x18PROJECTION_KIND_GAUSSIAN\x10\x01\x32\xb8\x04\n\x0fGradientService\x12K\n\nListModels\x12\x1d.pergrad.v1.ListModelsRequest\x1a\x1e.pergrad.v1.ListModelsResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pergrad.v1.GetModelInfoRequest\x1a\x15.pergrad.v1.ModelInfo\x12I\n\nGetWeights\x12\x1d.pergrad.v1.GetWeightsRequest\x1a\x1a.pergrad.v1.WeightsMessage0\x01\x12J\n\nSetWeights\x12\x1a.pergrad.v1.WeightsMessage\x1a\x1e.pergrad.v1.SetWeightsResponse(\x01\x12[\n\x1a\x43omputePerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse0\x01\x12\\\n\x19StreamPerExampleGradients\x12\x1c.pergrad.v1.GradientsRequest\x1a\x1d.pergrad.v1.GradientsResponse(\x01\x30\x01\x12>\n\tApplyStep\x12\x17.pergrad.v1.StepRequest\x1a\x18.pergrad.v1.StepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_options = b'8\001'
   _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._loaded_options = None
   _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_REDUCTION']._serialized_start=2263
-  _globals['_REDUCTION']._serialized_end=2407
-  _globals['_PROJECTIONKIND']._serialized_start=2409
-  _globals['_PROJECTIONKIND']._serialized_end=2487
+  _globals['_STEPREQUEST_GRADIENTSUMENTRY']._loaded_options = None
+  _globals['_STEPREQUEST_GRADIENTSUMENTRY']._serialized_options = b'8\001'
+  _globals['_REDUCTION']._serialized_start=2816
+  _globals['_REDUCTION']._serialized_end=2960
+  _globals['_PROJECTIONKIND']._serialized_start=2962
+  _globals['_PROJECTIONKIND']._serialized_end=3040
   _globals['_LISTMODELSREQUEST']._serialized_start=74
   _globals['_LISTMODELSREQUEST']._serialized_end=93
   _globals['_LISTMODELSRESPONSE']._serialized_start=95
@@ -47,29 +49,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=133
   _globals['_GETMODELINFOREQUEST']._serialized_end=169
   _globals['_MODELINFO']._serialized_start=172
-  _globals['_MODELINFO']._serialized_end=568
-  _globals['_SERVERLIMITS']._serialized_start=571
-  _globals['_SERVERLIMITS']._serialized_end=719
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=721
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=755
-  _globals['_WEIGHTSHEADER']._serialized_start=758
-  _globals['_WEIGHTSHEADER']._serialized_end=893
-  _globals['_WEIGHTSMESSAGE']._serialized_start=895
-  _globals['_WEIGHTSMESSAGE']._serialized_end=1006
-  _globals['_SETWEIGHTSRESPONSE']._serialized_start=1008
-  _globals['_SETWEIGHTSRESPONSE']._serialized_end=1086
-  _globals['_GRADIENTSREQUEST']._serialized_start=1089
-  _globals['_GRADIENTSREQUEST']._serialized_end=1868
-  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_start=1662
-  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_end=1730
-  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_start=1732
-  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_end=1802
-  _globals['_RESULTTENSOR']._serialized_start=1870
-  _globals['_RESULTTENSOR']._serialized_end=1939
-  _globals['_RESULTHEADER']._serialized_start=1942
-  _globals['_RESULTHEADER']._serialized_end=2124
-  _globals['_GRADIENTSRESPONSE']._serialized_start=2127
-  _globals['_GRADIENTSRESPONSE']._serialized_end=2260
-  _globals['_GRADIENTSERVICE']._serialized_start=2490
-  _globals['_GRADIENTSERVICE']._serialized_end=2994
+  _globals['_MODELINFO']._serialized_end=587
+  _globals['_SERVERLIMITS']._serialized_start=590
+  _globals['_SERVERLIMITS']._serialized_end=738
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=740
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=774
+  _globals['_WEIGHTSHEADER']._serialized_start=777
+  _globals['_WEIGHTSHEADER']._serialized_end=912
+  _globals['_WEIGHTSMESSAGE']._serialized_start=914
+  _globals['_WEIGHTSMESSAGE']._serialized_end=1025
+  _globals['_SETWEIGHTSRESPONSE']._serialized_start=1027
+  _globals['_SETWEIGHTSRESPONSE']._serialized_end=1105
+  _globals['_GRADIENTSREQUEST']._serialized_start=1108
+  _globals['_GRADIENTSREQUEST']._serialized_end=1887
+  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_start=1681
+  _globals['_GRADIENTSREQUEST_REFERENCEENTRY']._serialized_end=1749
+  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_start=1751
+  _globals['_GRADIENTSREQUEST_NAMEDINPUTSENTRY']._serialized_end=1821
+  _globals['_RESULTTENSOR']._serialized_start=1889
+  _globals['_RESULTTENSOR']._serialized_end=1958
+  _globals['_RESULTHEADER']._serialized_start=1961
+  _globals['_RESULTHEADER']._serialized_end=2143
+  _globals['_STEPREQUEST']._serialized_start=2146
+  _globals['_STEPREQUEST']._serialized_end=2471
+  _globals['_STEPREQUEST_GRADIENTSUMENTRY']._serialized_start=2401
+  _globals['_STEPREQUEST_GRADIENTSUMENTRY']._serialized_end=2471
+  _globals['_STEPRESPONSE']._serialized_start=2474
+  _globals['_STEPRESPONSE']._serialized_end=2677
+  _globals['_GRADIENTSRESPONSE']._serialized_start=2680
+  _globals['_GRADIENTSRESPONSE']._serialized_end=2813
+  _globals['_GRADIENTSERVICE']._serialized_start=3043
+  _globals['_GRADIENTSERVICE']._serialized_end=3611
 # @@protoc_insertion_point(module_scope)

@@ -64,6 +64,11 @@ class GradientServiceStub:
                 request_serializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.SerializeToString,
                 response_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.FromString,
                 _registered_method=True)
+        self.ApplyStep = channel.unary_unary(
+                '/pergrad.v1.GradientService/ApplyStep',
+                request_serializer=pergrad_dot_v1_dot_gradient__service__pb2.StepRequest.SerializeToString,
+                response_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.StepResponse.FromString,
+                _registered_method=True)
 
 
 class GradientServiceServicer:
@@ -118,6 +123,18 @@ class GradientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ApplyStep(self, request, context):
+        """One training step on the server: the step's gradient (computed from a batch, or
+        given), divided by the expected batch size, is applied to the current weights by
+        the model's optimizer (ModelInfo.optimizer), and the new weights become current with
+        a new version, as SetWeights would make them. All or nothing: a refused, failed or
+        cancelled step changes neither the weights nor the optimizer's state. Neither the
+        weights nor the gradient crosses the wire.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GradientServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +167,11 @@ def add_GradientServiceServicer_to_server(servicer, server):
                     servicer.StreamPerExampleGradients,
                     request_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.FromString,
                     response_serializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.SerializeToString,
+            ),
+            'ApplyStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ApplyStep,
+                    request_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.StepRequest.FromString,
+                    response_serializer=pergrad_dot_v1_dot_gradient__service__pb2.StepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +336,33 @@ class GradientService:
             '/pergrad.v1.GradientService/StreamPerExampleGradients',
             pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.SerializeToString,
             pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ApplyStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pergrad.v1.GradientService/ApplyStep',
+            pergrad_dot_v1_dot_gradient__service__pb2.StepRequest.SerializeToString,
+            pergrad_dot_v1_dot_gradient__service__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

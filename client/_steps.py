@@ -1,0 +1,114 @@
+"""Training steps on the server (ApplyStep): one call with the batch on one server; on
+several replicas, the gradient sum computed once and the same update sent to each."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pergrad.client._call import Call
+from pergrad.client._types import ModelInfo, answer_checked, invalid
+from pergrad.client._weights import WeightsWriter
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.codec import decode_tensor, encode_tensor
+from pergrad.wire.results import GradientResult
+
+# The reductions a step applies, and the output that is its gradient sum.
+GRADIENT_SUMS = {"clipped_sum": "clipped_sum", "moments": "sum"}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step made current and what a trainer logs of it.
+
+    Attributes:
+        model_version, weights_id: the weights the step made current (on every replica).
+        losses: the batch's per-example losses [B].
+        norms: per-example gradient norms before clipping [B] ("clipped_sum"; else None).
+        num_clipped: examples whose norm exceeded max_norm ("clipped_sum"; else 0).
+        gradient_norm: the L2 norm of the gradient the optimizer applied (sum / divisor).
+        server: the replica(s) that applied it, comma-separated.
+    """
+
+    model_version: int
+    weights_id: str
+    losses: np.ndarray
+    norms: np.ndarray | None
+    num_clipped: int
+    gradient_norm: float
+    server: str
+
+
+def step_call(call: Call) -> Call:
+    """The batch's part of a step: a reduction a step applies, no pins of its own."""
+    if call.reduction.name not in GRADIENT_SUMS:
+        raise invalid(
+            f"reduction: a step applies {sorted(GRADIENT_SUMS)}, got {call.reduction.name}"
+        )
+    if call.variables is not None:
+        raise invalid("variables: a step updates every variable; leave it unset")
+    return dataclasses.replace(call, model="", model_version=0, weights_id="")
+
+
+def on_one(
+    stub_call: Any,
+    info: ModelInfo,
+    call: Call,
+    x: Any,
+    y: Any,
+    step: pb.StepRequest,
+    timeout: float | None,
+) -> StepResult:
+    """The whole step in one ApplyStep: the batch goes, the weights stay on the server."""
+    step.batch.CopyFrom(step_call(call).request(info, x, y))
+    reply = stub_call(step, timeout=timeout)
+    with answer_checked(f"step of {info.name!r}: "):
+        losses = decode_tensor(reply.losses, what="losses")
+        norms = decode_tensor(reply.norms, what="norms") if reply.HasField("norms") else None
+    return StepResult(
+        reply.model_version,
+        reply.weights_id,
+        losses,
+        norms,
+        int(reply.num_clipped),
+        reply.gradient_norm,
+        reply.server,
+    )
+
+
+def on_all(
+    writer: WeightsWriter,
+    info: ModelInfo,
+    result: GradientResult,
+    call: Call,
+    step: pb.StepRequest,
+    timeout: float | None,
+) -> StepResult:
+    """Every replica applies the same sum (of `result`, computed on any of them at its
+    weights) with one new version, pinned to the weights the sum was computed with."""
+    total = getattr(result, GRADIENT_SUMS[call.reduction.name])
+    for name, array in total.items():
+        step.gradient_sum[name].CopyFrom(encode_tensor(np.ascontiguousarray(array, np.float32)))
+    step.weights_id = result.weights_id
+    step.expected_batch_size = step.expected_batch_size or result.batch_size
+    request = pb.GetModelInfoRequest(model=info.name)
+    versions = writer.on_all(lambda s: s.GetModelInfo(request, timeout=timeout).model_version)
+    step.new_version = max(versions) + 1
+
+    def apply(stub: Any) -> pb.StepResponse:
+        return stub.ApplyStep(step, timeout=timeout)
+
+    replies = writer.on_all(apply)
+    first = replies[0]
+    return StepResult(
+        first.model_version,
+        first.weights_id,
+        result.losses,
+        result.norms,
+        int(result.num_clipped or 0),
+        first.gradient_norm,
+        ",".join(r.server for r in replies),
+    )

@@ -1,0 +1,156 @@
+"""One ApplyStep: the step's gradient (a batch's reduction, priced by admission like a
+gradients request's, or a sum the caller gives), divided by the expected batch size,
+applied by the model's optimizer (`training.Trainer`) and made current (`weights`).
+
+A model's steps take turns, each from the weights the last one left; its pins are
+checked once its turn comes. Nothing is made current before the last check: a step
+refused, failed or cancelled on the way leaves the weights and optimizer state as they
+were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from pergrad.server.admission import Admission
+from pergrad.server.errors import Cancelled, InvalidArgument
+from pergrad.server.gradients import Settings, prepare, reduced
+from pergrad.server.models.registry import ServedModel
+from pergrad.server.weights import Snapshot
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.codec import decode_tensor
+from pergrad.wire.results import GradientResult
+
+# The reductions a step's batch may ask, and the output that is the step's gradient sum.
+GRADIENT_SUMS = {"clipped_sum": "clipped_sum", "moments": "sum"}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# GradientsRequest fields the step sets itself, so its batch leaves them unset.
+_STEP_OWNED = ("model", "model_version", "weights_id", "variables")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a step made current, and what the caller logs of it."""
+
+    snapshot: Snapshot
+    result: GradientResult | None  # the batch's; None for a given sum
+    gradient_norm: float
+
+
+def apply_step(
+    served: ServedModel,
+    request: pb.StepRequest,
+    settings: Settings,
+    admission: Admission,
+    *,
+    cancelled: Callable[[], bool],
+    caller: str = "",
+    held_bytes: int = 0,
+) -> Step:
+    learning_rate = _positive(request.learning_rate, "learning_rate")
+    given = bool(request.gradient_sum)
+    if request.HasField("batch") == given:
+        raise InvalidArgument("ApplyStep: set exactly one of batch and gradient_sum")
+    if given and not request.expected_batch_size:
+        raise InvalidArgument("expected_batch_size: required with gradient_sum")
+    with served.trainer.turn():
+        snapshot = served.weights.get(request.model_version, request.weights_id)
+        result = None
+        if given:
+            total = _given_sum(served, request.gradient_sum)
+        else:
+            result = _batch_result(
+                served,
+                request.batch,
+                snapshot,
+                settings,
+                admission,
+                cancelled=cancelled,
+                caller=caller,
+                held_bytes=held_bytes,
+            )
+            total = getattr(result, GRADIENT_SUMS[result_name(request.batch)])
+        divisor = request.expected_batch_size or result.batch_size
+        gradient = _divided(served, total, _positive(divisor, "expected_batch_size"))
+        stepped = served.trainer.apply(
+            snapshot.trainable, snapshot.optimizer_state, gradient, learning_rate
+        )
+        if cancelled():
+            raise Cancelled("the call was cancelled; the step was not applied")
+        new = served.weights.advance(
+            snapshot, stepped.weights, stepped.state, new_version=request.new_version
+        )
+    return Step(new, result, _norm(gradient))
+
+
+def result_name(batch: pb.GradientsRequest) -> str:
+    return pb.Reduction.Name(batch.reduction).removeprefix("REDUCTION_").lower()
+
+
+def _batch_result(
+    served: ServedModel,
+    batch: pb.GradientsRequest,
+    snapshot: Snapshot,
+    settings: Settings,
+    admission: Admission,
+    **call: object,
+) -> GradientResult:
+    name = result_name(batch)
+    if name not in GRADIENT_SUMS:
+        raise InvalidArgument(
+            f"batch.reduction: a step applies {sorted(GRADIENT_SUMS)}, got {name}"
+        )
+    owned = [f for f in _STEP_OWNED if _is_set(batch, f)]
+    if owned:
+        raise InvalidArgument(f"batch: {owned} are the step's own; leave them unset in batch")
+    work = prepare(served, batch, settings)
+    return reduced(dataclasses.replace(work, snapshot=snapshot), admission, **call)
+
+
+def _is_set(message: pb.GradientsRequest, field: str) -> bool:
+    value = getattr(message, field)
+    return bool(len(value)) if field == "variables" else bool(value)
+
+
+def _given_sum(
+    served: ServedModel, tensors: Mapping[str, tensor_pb2.Tensor]
+) -> dict[str, np.ndarray]:
+    arrays = {
+        name: decode_tensor(tensor, what=f"gradient_sum[{name!r}]")
+        for name, tensor in tensors.items()
+    }
+    served.weights.check([(name, a.dtype, a.shape) for name, a in arrays.items()])
+    bad = sorted(name for name, a in arrays.items() if not np.isfinite(a).all())
+    if bad:
+        raise InvalidArgument(f"gradient_sum {bad} hold NaN or infinity")
+    return arrays
+
+
+def _divided(
+    served: ServedModel, total: Mapping[str, np.ndarray], divisor: float
+) -> list[tf.Tensor]:
+    """sum / divisor in float32 (the divisor rounded to float32), in model order."""
+    scale = np.float32(divisor)
+    with np.errstate(over="ignore"):  # an overflow is refused whole when the step commits
+        return [
+            tf.constant(np.divide(total[v.name], scale, dtype=np.float32).astype(v.dtype))
+            for v in served.engine.variables
+        ]
+
+
+def _norm(gradient: list[tf.Tensor]) -> float:
+    return math.sqrt(sum(float(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)))) for g in gradient))
+
+
+def _positive(value: float, field: str) -> float:
+    """A finite number > 0 that stays one in float32, the dtype the step computes in."""
+    if not (math.isfinite(value) and 0 < value <= _FLOAT32_MAX):
+        raise InvalidArgument(f"{field}: a finite number > 0 (float32), got {value}")
+    return value

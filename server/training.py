@@ -1,0 +1,151 @@
+"""A model's optimizer: applies a gradient to a weights snapshot, giving new weights and
+new optimizer state, both immutable tensors.
+
+The optimizer is Keras's own (`--optimizer`, e.g. "sgd:momentum=0.9" or "adam"). Its
+variables, and shadow copies of the model's, are only scratch space: a step loads the
+snapshot's weights and optimizer state into them, applies the gradient in one compiled
+function and reads the results out as new tensors. The truth stays in the
+`WeightsStore`'s snapshots, so a step that fails or is refused changes nothing, and a
+SetWeights, whose snapshot holds no optimizer state, starts the state afresh.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+
+from pergrad.server.config import ConfigError, OptimizerSpec
+
+# Settings every Keras optimizer shares that a step does not take from --optimizer: the
+# learning rate is each step's own; the rest would change the update behind the
+# caller's back (gradient clipping, EMA, accumulation), so they are refused.
+_NOT_SETTABLE = frozenset(
+    {
+        "name",
+        "learning_rate",
+        "clipnorm",
+        "clipvalue",
+        "global_clipnorm",
+        "use_ema",
+        "ema_momentum",
+        "ema_overwrite_frequency",
+        "loss_scale_factor",
+        "gradient_accumulation_steps",
+    }
+)
+
+
+def make_optimizer(spec: OptimizerSpec) -> keras.optimizers.Optimizer:
+    """Keras's optimizer of that name with those settings; ConfigError names a bad one."""
+    try:
+        optimizer = keras.optimizers.get(spec.name)
+    except ValueError:
+        raise ConfigError(
+            f"--optimizer {spec.text!r}: {spec.name!r} is not a Keras optimizer "
+            "(e.g. sgd, adam, adamw, rmsprop, adagrad)"
+        ) from None
+    settable = set(optimizer.get_config()) - _NOT_SETTABLE
+    unknown = sorted({key for key, _ in spec.options} - settable)
+    if unknown:
+        raise ConfigError(
+            f"--optimizer {spec.text!r}: {type(optimizer).__name__} takes no {unknown}; "
+            f"it takes {sorted(settable)}"
+        )
+    try:
+        return type(optimizer)(**dict(spec.options))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"--optimizer {spec.text!r}: {err}") from None
+
+
+def describe(optimizer: keras.optimizers.Optimizer) -> str:
+    """Its class and the settings that change its update, as ModelInfo.optimizer says."""
+    config = optimizer.get_config()
+    settings = ", ".join(
+        f"{key}={value}"
+        for key, value in config.items()
+        if key not in _NOT_SETTABLE and value is not None
+    )
+    return f"{type(optimizer).__name__}({settings})"
+
+
+def _copy(variable: keras.Variable) -> tf.Tensor:
+    """The variable's value in a buffer of its own: a plain read may share the variable's,
+    which the next step would then overwrite under a snapshot already made current."""
+    return tf.raw_ops.DeepCopy(x=variable.value)
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """What one step made: the new weights and the optimizer's new state."""
+
+    weights: tuple[tf.Tensor, ...]
+    state: tuple[tf.Tensor, ...]
+
+
+class Trainer:
+    """One model's optimizer over shadow variables; `apply` is pure for its caller. The
+    variables are made at the first step: a model nobody trains holds no second copy of
+    its weights, nor optimizer slots."""
+
+    def __init__(self, model: keras.Model, spec: OptimizerSpec) -> None:
+        self._model = model
+        self._optimizer = make_optimizer(spec)
+        self.description = describe(self._optimizer)
+        self._lock = threading.Lock()  # one step at a time uses the scratch variables
+        self._turns = threading.Lock()
+        self._shadows: list[keras.Variable] = []
+        self._fresh: tuple[tf.Tensor, ...] = ()
+        self._step = tf.function(self._apply, autograph=False)
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """A whole step (gradient, update, commit) of this model, one at a time: each
+        starts from the weights the last one left."""
+        with self._turns:
+            yield
+
+    def _build(self) -> None:
+        # Zeros, not the model's values: a variable made from another may share its
+        # buffer, which the optimizer's in-place updates would then change under it.
+        self._shadows = [
+            keras.Variable(tf.zeros(v.shape, v.dtype), name=v.name)
+            for v in self._model.trainable_variables
+        ]
+        self._optimizer.build(self._shadows)
+        self._fresh = tuple(_copy(v) for v in self._optimizer.variables)
+
+    def _apply(self, weights, state, gradient, learning_rate):
+        for variable, value in zip(self._shadows, weights, strict=True):
+            variable.assign(value)
+        for variable, value in zip(self._optimizer.variables, state, strict=True):
+            variable.assign(value)
+        self._optimizer.learning_rate = learning_rate
+        self._optimizer.apply(gradient, self._shadows)
+        return (
+            [_copy(v) for v in self._shadows],
+            [_copy(v) for v in self._optimizer.variables],
+        )
+
+    def apply(
+        self,
+        weights: Sequence[tf.Tensor],
+        state: Sequence[tf.Tensor] | None,
+        gradient: Sequence[tf.Tensor],
+        learning_rate: float,
+    ) -> Stepped:
+        """The weights and state after one step from `weights` and `state` (None: fresh)."""
+        with self._lock:
+            if not self._shadows:
+                self._build()
+            new_weights, new_state = self._step(
+                list(weights),
+                list(self._fresh if state is None else state),
+                list(gradient),
+                tf.constant(learning_rate, tf.float32),
+            )
+        return Stepped(tuple(new_weights), tuple(new_state))

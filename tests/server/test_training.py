@@ -1,0 +1,58 @@
+"""The optimizer a server steps with: --optimizer read into Keras's own optimizer, and a
+Trainer whose steps depend only on what they are given."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pergrad.server.config import ConfigError, parse_optimizer
+from pergrad.server.main import build_registry
+from pergrad.server.training import Trainer, make_optimizer
+from tests.helpers import loopback_config, tabular_model
+
+
+def test_settings_are_read_as_numbers_and_booleans() -> None:
+    spec = parse_optimizer("SGD: momentum=0.9, nesterov=true")
+    assert (spec.name, spec.options) == ("sgd", (("momentum", 0.9), ("nesterov", True)))
+    optimizer = make_optimizer(spec)
+    assert isinstance(optimizer, keras.optimizers.SGD)
+    assert (optimizer.momentum, optimizer.nesterov) == (0.9, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nadamx", "'nadamx' is not a Keras optimizer"),
+        ("sgd:beta_1=0.9", r"SGD takes no \['beta_1'\]"),
+        ("adam:clipnorm=1.0", r"Adam takes no \['clipnorm'\]"),
+        ("sgd:learning_rate=0.1", r"SGD takes no \['learning_rate'\]"),
+    ],
+)
+def test_optimizers_keras_lacks_are_refused_naming_the_flag(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_optimizer(parse_optimizer(text))
+
+
+def test_a_bad_optimizer_stops_the_start_before_any_model_loads() -> None:
+    with pytest.raises(ConfigError, match=r"--optimizer 'rmsprop:beta_2=0\.9'"):
+        build_registry(loopback_config("no-such-model", optimizer="rmsprop:beta_2=0.9"))
+
+
+def test_a_step_depends_only_on_the_weights_and_state_it_is_given() -> None:
+    """The scratch variables carry nothing between steps: the same inputs give the same
+    outputs, whatever ran in between."""
+    model = tabular_model()
+    trainer = Trainer(model, parse_optimizer("adam"))
+    weights = [v.value for v in model.trainable_variables]
+    gradient = [tf.ones_like(w) for w in weights]
+    first = trainer.apply(weights, None, gradient, 0.1)
+    second = trainer.apply(first.weights, first.state, gradient, 0.1)
+    again = trainer.apply(weights, None, gradient, 0.1)
+    for a, b in zip(first.weights + first.state, again.weights + again.state, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert not np.array_equal(second.weights[0].numpy(), first.weights[0].numpy())
+    for variable, value in zip(model.trainable_variables, weights, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), value.numpy())
