@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 
 from pergrad.server.admission import Admission
 from pergrad.server.errors import Cancelled, InvalidArgument
@@ -135,18 +134,22 @@ def _given_sum(
 
 def _divided(
     served: ServedModel, total: Mapping[str, np.ndarray], divisor: float
-) -> list[tf.Tensor]:
+) -> list[np.ndarray]:
     """sum / divisor in float32 (the divisor rounded to float32), in model order."""
     scale = np.float32(divisor)
     with np.errstate(over="ignore"):  # an overflow is refused whole when the step commits
         return [
-            tf.constant(np.divide(total[v.name], scale, dtype=np.float32).astype(v.dtype))
+            np.divide(total[v.name], scale, dtype=np.float32).astype(v.dtype, copy=False)
             for v in served.engine.variables
         ]
 
 
-def _norm(gradient: list[tf.Tensor]) -> float:
-    return math.sqrt(sum(float(tf.reduce_sum(tf.square(tf.cast(g, tf.float64)))) for g in gradient))
+def _norm(gradient: list[np.ndarray]) -> float:
+    """The L2 norm over every variable, accumulated in float64."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return math.sqrt(
+            sum(float(np.dot(g.ravel(), g.ravel().astype(np.float64))) for g in gradient)
+        )
 
 
 def _positive(value: float, field: str) -> float:

@@ -17,9 +17,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from pergrad.server.config import ConfigError, OptimizerSpec
+from pergrad.server.engine.compiled import FlatCall
 
 # Settings every Keras optimizer shares that a step does not take from --optimizer: the
 # learning rate is each step's own; the rest would change the update behind the
@@ -73,6 +75,12 @@ def describe(optimizer: keras.optimizers.Optimizer) -> str:
     return f"{type(optimizer).__name__}({settings})"
 
 
+def _spec(value: keras.Variable | float) -> tf.TensorSpec:
+    if isinstance(value, float):
+        return tf.TensorSpec([], tf.float32)
+    return tf.TensorSpec(value.shape, value.dtype)
+
+
 def _copy(variable: keras.Variable) -> tf.Tensor:
     """The variable's value in a buffer of its own: a plain read may share the variable's,
     which the next step would then overwrite under a snapshot already made current."""
@@ -100,7 +108,7 @@ class Trainer:
         self._turns = threading.Lock()
         self._shadows: list[keras.Variable] = []
         self._fresh: tuple[tf.Tensor, ...] = ()
-        self._step = tf.function(self._apply, autograph=False)
+        self._step: FlatCall | None = None
 
     @contextmanager
     def turn(self) -> Iterator[None]:
@@ -118,6 +126,9 @@ class Trainer:
         ]
         self._optimizer.build(self._shadows)
         self._fresh = tuple(_copy(v) for v in self._optimizer.variables)
+        weights = [_spec(v) for v in self._shadows]
+        signature = [weights, [_spec(v) for v in self._optimizer.variables], weights, _spec(1.0)]
+        self._step = FlatCall(tf.function(self._apply, input_signature=signature, autograph=False))
 
     def _apply(self, weights, state, gradient, learning_rate):
         for variable, value in zip(self._shadows, weights, strict=True):
@@ -140,12 +151,12 @@ class Trainer:
     ) -> Stepped:
         """The weights and state after one step from `weights` and `state` (None: fresh)."""
         with self._lock:
-            if not self._shadows:
+            if self._step is None:
                 self._build()
             new_weights, new_state = self._step(
                 list(weights),
                 list(self._fresh if state is None else state),
                 list(gradient),
-                tf.constant(learning_rate, tf.float32),
+                np.float32(learning_rate),
             )
         return Stepped(tuple(new_weights), tuple(new_state))
