@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
 from tests.helpers import batch_for, loopback_config
+from tests.pauses import Gate, Pause
 from tests.prometheus import sample_value, scrape
 from tests.zoo import FAMILIES, VOCABULARY
 
@@ -868,54 +868,12 @@ def test_error_messages_quoting_huge_input_are_cut_short(client: GradientClient)
 SLEEP_PER_EXAMPLE_S = 0.005
 
 
-class _Pause(keras.layers.Layer):
-    """The identity, which calls `pause` on each pass's batch in Python (a py_function)."""
-
-    def pause(self, batch: tf.Tensor) -> None:
-        raise NotImplementedError
-
-    def call(self, x):
-        def paused(batch):
-            self.pause(batch)
-            return batch
-
-        out = tf.py_function(paused, [x], x.dtype)
-        out.set_shape(x.shape)
-        return out
-
-
-class Sleep(_Pause):
+class Sleep(Pause):
     """Sleeps SLEEP_PER_EXAMPLE_S per example of its batch: a pass whose cost is its size,
     and which takes no CPU, so that the test measures queueing, not the machine's load."""
 
     def pause(self, batch: tf.Tensor) -> None:
         time.sleep(SLEEP_PER_EXAMPLE_S * int(batch.shape[0]))
-
-
-class Gate(_Pause):
-    """Once closed, holds every pass until opened, releasing `entered` as each arrives: a
-    pass that lasts exactly as long as the test wants, whatever the machine's load."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.opened = threading.Event()
-        self.opened.set()
-        self.entered = threading.Semaphore(0)
-
-    @contextmanager
-    def closed(self) -> Iterator[None]:
-        """Closed for the block, open again after it whatever happens (threads waiting
-        at the gate must not outlive a failed assertion)."""
-        self.entered = threading.Semaphore(0)
-        self.opened.clear()
-        try:
-            yield
-        finally:
-            self.opened.set()
-
-    def pause(self, batch: tf.Tensor) -> None:
-        self.entered.release()
-        self.opened.wait(60)
 
 
 def _slow_model(

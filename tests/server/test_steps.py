@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -16,9 +17,11 @@ import pytest
 from pergrad.client import GradientClient, PergradError
 from pergrad.server.engine import VariableSpec
 from pergrad.server.main import RunningServer, start
+from pergrad.server.models.registry import ModelRegistry, serve_model
 from pergrad.server.weights import weights_id
 from tests import oracle, spec_random
 from tests.helpers import KERAS_MODEL_NAME, assert_close, loopback_config
+from tests.pauses import Gate
 
 MODEL = KERAS_MODEL_NAME
 NOISE_STREAM = 2  # the proto's stream for CLIPPED_SUM noise
@@ -292,3 +295,37 @@ def test_malformed_step_requests_are_invalid_argument(serve, step: dict, message
     channel.close()
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in refused.value.details()
+
+
+def test_set_weights_during_a_step_refuses_the_step_and_get_weights_sees_no_part_of_it() -> None:
+    """A step's pass held at a gate: meanwhile GetWeights reads the weights the step
+    started from, and a SetWeights lands; the step then applies nothing
+    (FAILED_PRECONDITION), and the SetWeights' weights stay."""
+    gate = Gate(name="gate")
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(3, name="head")(gate(inputs))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    served = serve_model("gated", keras.Model(inputs, outputs), loss=loss, jit_compile=False)
+    running = start(loopback_config(), ModelRegistry([served]))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 4)), rng.integers(0, 3, 8)
+    try:
+        with GradientClient(f"127.0.0.1:{running.port}", timeout=60) as client:
+            _, start_weights = client.get_weights("gated")
+            doubled = {name: 2 * w for name, w in start_weights.items()}
+            with ThreadPoolExecutor(1) as pool, gate.closed():
+                step = pool.submit(client.step, "gated", x, y, learning_rate=0.1, max_norm=1.0)
+                assert gate.entered.acquire(timeout=60), "the step's pass never began"
+                version, during = client.get_weights("gated")
+                assert version == 1
+                np.testing.assert_array_equal(during["head/kernel"], start_weights["head/kernel"])
+                assert client.set_weights("gated", doubled) == 2
+            with pytest.raises(PergradError) as refused:
+                step.result(timeout=60)
+            version, after = client.get_weights("gated")
+    finally:
+        running.stop(0)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the weights changed during the step" in refused.value.message
+    assert version == 2
+    np.testing.assert_array_equal(after["head/kernel"], doubled["head/kernel"])
