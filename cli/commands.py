@@ -145,6 +145,38 @@ def _grads(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(args: argparse.Namespace) -> int:
+    """Training steps on the server over the .npz, a batch per step, in order; a line per
+    epoch of what a trainer logs."""
+    options = {"max_norm": args.max_norm, "noise_multiplier": args.noise_multiplier}
+    if args.reduction == "moments":
+        options = {}
+    with connect(args) as client:
+        x, y = _read_data(args, client.model_info(args.model))
+        if not len(y):
+            raise SystemExit(f"{args.data}: no examples")
+        for epoch in range(1, args.epochs + 1):
+            losses, clipped = [], 0
+            for xb, yb in _batches(x, y, args.batch_size):
+                done = client.step(
+                    args.model,
+                    xb,
+                    yb,
+                    learning_rate=args.learning_rate,
+                    expected_batch_size=args.expected_batch_size,
+                    reduction=args.reduction,
+                    **{k: v for k, v in options.items() if v is not None},
+                )
+                losses.append(done.losses)
+                clipped += done.num_clipped
+            print(
+                f"epoch {epoch}: version {done.model_version}, mean loss "
+                f"{np.concatenate(losses).mean():.4f}, clipped {clipped} of {len(y)} examples"
+            )
+    print(f"weights_id {done.weights_id}")
+    return 0
+
+
 def _add_reduction_arguments(grads: argparse.ArgumentParser) -> None:
     outputs = {
         r.name: ", ".join(o.prefix + ("/<variable>" if o.per_variable else "") for o in r.outputs)
@@ -175,7 +207,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run a server (flags: pergrad serve --help)", add_help=False)
-    for name, help_text in [("info", "describe served models"), ("grads", "gradients of a .npz")]:
+    commands = [
+        ("info", "describe served models"),
+        ("grads", "gradients of a .npz"),
+        ("step", "training steps on the server over a .npz (its --optimizer)"),
+    ]
+    for name, help_text in commands:
         add_connection_arguments(sub.add_parser(name, help=help_text))
     sub.choices["info"].add_argument("--model", help="one model (default: all)")
     grads = sub.choices["grads"]
@@ -193,13 +230,39 @@ def _parser() -> argparse.ArgumentParser:
     grads.add_argument("--variables", nargs="+", help="only these variables")
     _add_reduction_arguments(grads)
     grads.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_step_arguments(sub.choices["step"])
     return parser
+
+
+def _add_step_arguments(step: argparse.ArgumentParser) -> None:
+    step.add_argument("--model", required=True)
+    step.add_argument("--data", required=True, help=".npz with inputs and labels")
+    step.add_argument("--x-key", default="x", help="inputs array in --data")
+    step.add_argument("--y-key", default="y", help="labels array in --data")
+    step.add_argument("--batch-size", type=int, default=64, help="examples per step")
+    step.add_argument("--epochs", type=int, default=1)
+    step.add_argument("--learning-rate", type=float, required=True)
+    step.add_argument(
+        "--expected-batch-size",
+        type=float,
+        default=0,
+        help="the sum is divided by this (DP-SGD with Poisson sampling); 0: the batch's mean",
+    )
+    step.add_argument(
+        "--reduction",
+        default="clipped_sum",
+        choices=["clipped_sum", "moments"],
+        help="clipped_sum: DP-SGD (--max-norm, --noise-multiplier; fresh noise); "
+        "moments: the plain sum",
+    )
+    step.add_argument("--max-norm", type=float, help="clipping bound C (clipped_sum)")
+    step.add_argument("--noise-multiplier", type=float, help="sigma (clipped_sum)")
 
 
 def run(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"info": _info, "grads": _grads}[args.command](args)
+        return {"info": _info, "grads": _grads, "step": _steps}[args.command](args)
     except PergradError as err:
         print(f"pergrad {args.command}: {err}", file=sys.stderr)
         return 1

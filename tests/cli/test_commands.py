@@ -149,3 +149,28 @@ def test_sigterm_drains_and_exits_zero() -> None:
         assert process.wait(timeout=60) == 0
     finally:
         stop_server(process)
+
+
+def test_step_trains_on_the_server_over_the_file(fresh_server, tmp_path: Path) -> None:
+    """Two plain SGD steps of 4 examples (--reduction moments, the mean): the weights the
+    oracle's per-example gradients give, and a line per epoch."""
+    target = f"127.0.0.1:{fresh_server.port}"
+    rng = np.random.default_rng(4)
+    x, y = rng.random((8, 784), dtype=np.float32), rng.integers(0, 10, 8)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    with GradientClient(target) as client:
+        _, weights = client.get_weights("mnist_mlp")
+    flags = ["--model", "mnist_mlp", "--data", str(tmp_path / "data.npz"), "--batch-size", "4"]
+    run = _run(
+        "step", "--target", target, *flags, "--learning-rate", "0.1", "--reduction", "moments"
+    )
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"epoch 1: version 3, mean loss \d+\.\d{4}, clipped 0 of 8", run.stdout)
+    model = BUILTIN_MODELS["mnist_mlp"]()
+    for part in (slice(0, 4), slice(4, 8)):
+        _, grads = oracle.per_example(model, LOSS, x[part], y[part], weights=weights)
+        weights = {name: w - 0.1 * grads[name].mean(axis=0) for name, w in weights.items()}
+    with GradientClient(target) as client:
+        _, served = client.get_weights("mnist_mlp")
+        assert f"weights_id {client.model_info('mnist_mlp').weights_id}" in run.stdout
+    assert_close(served, weights)
