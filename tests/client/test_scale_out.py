@@ -11,14 +11,17 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import keras
 import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, MixedPlansWarning, PergradError
-from pergrad.server.main import start
+from pergrad.server.main import RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.server.models.registry import ModelRegistry, serve_model
 from tests import oracle
 from tests.helpers import assert_close, batch_for, loopback_config, spawn_server, stop_server
+from tests.pauses import Gate
 
 MODEL = "mnist_cnn"
 FLAGS = ("--model", MODEL, "--jit-compile", "off")
@@ -238,20 +241,40 @@ def test_steps_leave_every_replica_on_the_same_weights_version_and_state(
     assert after[0] == after[1]
 
 
-def test_a_step_with_a_replica_gone_names_it_and_no_replica_applies_it(processes) -> None:
-    (victim, victim_target), (_, survivor) = processes
-    x, y = batch_for((28, 28, 1), 10, 32)
-    with GradientClient(survivor) as one:
-        before = one.model_info(MODEL)
-    victim.kill()
-    victim.wait(timeout=30)
-    with (
-        GradientClient(_many([victim_target, survivor]), timeout=30) as many,
-        pytest.raises(PergradError) as refused,
-    ):
-        _step(many, MODEL, x, y, seed=1)
+def _gated_replica(index: int) -> tuple[Gate, RunningServer]:
+    """A replica whose passes a gate can hold; replicas made alike have equal weights."""
+    gate = Gate(name="gate")
+    inputs = keras.Input((4,))
+    init = keras.initializers.GlorotUniform(1)
+    outputs = keras.layers.Dense(3, kernel_initializer=init, name="head")(gate(inputs))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    served = serve_model("gated", keras.Model(inputs, outputs), loss=loss, jit_compile=False)
+    config = loopback_config(replica_name=f"r{index}", max_coalesced_batch=0)
+    return gate, start(config, ModelRegistry([served]))
+
+
+def test_a_replica_dying_mid_step_is_named_and_no_replica_applies_the_step() -> None:
+    """The step's micro-batch is in the victim's pass when the victim stops at once (no
+    grace: its calls end, its port closes): the step fails naming it, and the survivor
+    stays on the weights the step started from."""
+    (gate, victim), (_, survivor) = _gated_replica(0), _gated_replica(1)
+    targets = [f"127.0.0.1:{server.port}" for server in (victim, survivor)]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 4)), rng.integers(0, 3, 16)
+    try:
+        with GradientClient(targets[1]) as one:
+            before = one.model_info("gated")
+        with GradientClient(_many(targets), micro_batch=8, timeout=30) as many:
+            with ThreadPoolExecutor(1) as pool, gate.closed():
+                step = pool.submit(many.step, "gated", x, y, learning_rate=0.1, max_norm=1.0)
+                assert gate.entered.acquire(timeout=60), "no micro-batch reached the victim"
+                victim.stop(0)
+            with pytest.raises(PergradError) as refused:
+                step.result(timeout=60)
+        with GradientClient(targets[1]) as one:
+            after = one.model_info("gated")
+    finally:
+        survivor.stop(0)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
-    assert victim_target in refused.value.message
-    with GradientClient(survivor) as one:
-        after = one.model_info(MODEL)
+    assert targets[0] in refused.value.message
     assert (after.model_version, after.weights_id) == (before.model_version, before.weights_id)
