@@ -234,13 +234,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_step_arguments(step: argparse.ArgumentParser) -> None:
     step.add_argument("--model", required=True)
     step.add_argument("--data", required=True, help=".npz with inputs and labels")
     step.add_argument("--x-key", default="x", help="inputs array in --data")
     step.add_argument("--y-key", default="y", help="labels array in --data")
     step.add_argument("--batch-size", type=int, default=64, help="examples per step")
-    step.add_argument("--epochs", type=int, default=1)
+    step.add_argument("--epochs", type=_at_least_one, default=1)
     step.add_argument("--learning-rate", type=float, required=True)
     step.add_argument(
         "--expected-batch-size",

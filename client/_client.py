@@ -15,7 +15,7 @@ from pergrad.client._call import Call
 from pergrad.client._channels import open_channel, replica_addresses
 from pergrad.client._credentials import Security
 from pergrad.client._spread import computed, micro_batched, spread
-from pergrad.client._steps import StepResult, on_all, on_one
+from pergrad.client._steps import StepResult, on_all, on_one, step_call
 from pergrad.client._stream import pipelined
 from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
 from pergrad.client._weights import WeightsWriter, get_weights
@@ -305,10 +305,13 @@ class GradientClient:
         seed: fresh noise from the server's secure source); "moments" applies the plain
         sum. `model_version` pins the step to those weights (FAILED_PRECONDITION
         otherwise). With several replicas the sum is computed once (spread over them
-        with `micro_batch`) and every replica applies it with one new version; a replica
-        that fails is named in the error, and the others have applied the step.
+        with `micro_batch`) and every replica applies it with one new version, once
+        all of them have answered that they are up; a replica that fails is named in
+        the error (one failing as it applies leaves the others stepped: `set_weights`
+        on all brings them level, starting every optimizer afresh).
         """
         call = self._call(model, reduction=reduction, model_version=model_version, **options)
+        batch = step_call(call)  # refused here, before any replica computes
         timeout = timeout or self._timeout
         step = pb.StepRequest(
             model=model,
@@ -318,10 +321,16 @@ class GradientClient:
             expected_batch_size=expected_batch_size,
         )
         if len(self._replicas) == 1:
-            done = on_one(self._step_call, self._info(model), call, x, y, step, timeout)
+            done = on_one(self._step_call, self._info(model), batch, x, y, step, timeout)
         else:
             result = self.per_example_gradients(
-                model, x, y, reduction=reduction, model_version=model_version, **options
+                model,
+                x,
+                y,
+                reduction=reduction,
+                model_version=model_version,
+                timeout=timeout,
+                **options,
             )
             step.model_version = 0
             done = on_all(self._writer(), self._info(model), result, call, step, timeout)

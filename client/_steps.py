@@ -7,17 +7,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
 from pergrad.client._call import Call
-from pergrad.client._types import ModelInfo, answer_checked, invalid
+from pergrad.client._types import ModelInfo, PergradError, answer_checked, invalid
 from pergrad.client._weights import WeightsWriter
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.catalogue import STEP_SUMS
 from pergrad.wire.codec import decode_tensor, encode_tensor
 from pergrad.wire.results import GradientResult
-
-# The reductions a step applies, and the output that is its gradient sum.
-GRADIENT_SUMS = {"clipped_sum": "clipped_sum", "moments": "sum"}
 
 
 @dataclass(frozen=True)
@@ -44,10 +43,8 @@ class StepResult:
 
 def step_call(call: Call) -> Call:
     """The batch's part of a step: a reduction a step applies, no pins of its own."""
-    if call.reduction.name not in GRADIENT_SUMS:
-        raise invalid(
-            f"reduction: a step applies {sorted(GRADIENT_SUMS)}, got {call.reduction.name}"
-        )
+    if call.reduction.name not in STEP_SUMS:
+        raise invalid(f"reduction: a step applies {sorted(STEP_SUMS)}, got {call.reduction.name}")
     if call.variables is not None:
         raise invalid("variables: a step updates every variable; leave it unset")
     return dataclasses.replace(call, model="", model_version=0, weights_id="")
@@ -62,8 +59,9 @@ def on_one(
     step: pb.StepRequest,
     timeout: float | None,
 ) -> StepResult:
-    """The whole step in one ApplyStep: the batch goes, the weights stay on the server."""
-    step.batch.CopyFrom(step_call(call).request(info, x, y))
+    """The whole step in one ApplyStep: the batch goes, the weights stay on the server.
+    `call` is the batch's part (`step_call`)."""
+    step.batch.CopyFrom(call.request(info, x, y))
     reply = stub_call(step, timeout=timeout)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
@@ -89,7 +87,7 @@ def on_all(
 ) -> StepResult:
     """Every replica applies the same sum (of `result`, computed on any of them at its
     weights) with one new version, pinned to the weights the sum was computed with."""
-    total = getattr(result, GRADIENT_SUMS[call.reduction.name])
+    total = getattr(result, STEP_SUMS[call.reduction.name])
     for name, array in total.items():
         step.gradient_sum[name].CopyFrom(encode_tensor(np.ascontiguousarray(array, np.float32)))
     step.weights_id = result.weights_id
@@ -103,6 +101,14 @@ def on_all(
 
     replies = writer.on_all(apply)
     first = replies[0]
+    if any(r.weights_id != first.weights_id for r in replies):
+        made = ", ".join(f"{r.server}: {r.weights_id}" for r in replies)
+        raise PergradError(
+            grpc.StatusCode.DATA_LOSS,
+            f"replicas made different weights from one step ({made}): their optimizer "
+            "states differ (one set since it restarted?); set_weights on all of them "
+            "starts every state afresh",
+        )
     return StepResult(
         first.model_version,
         first.weights_id,

@@ -7,7 +7,8 @@ each example's gradient to L2 norm C (--max-norm), sums them, adds Gaussian nois
 N(0, (sigma C)^2) from a fresh seed, divides by the *expected* batch size qN and applies
 the result with its optimizer (SGD with --momentum on the server this script starts; a
 --target server's own `--optimizer` otherwise). Neither the weights nor the sum crosses
-the wire, and every step pins the version the last one made, so none uses stale weights.
+the wire (with one server; a client of several replicas sends each the sum once), and
+every step pins the version the last one made, so none uses stale weights.
 
 The privacy spent is the epsilon at --delta of the Poisson-subsampled Gaussian mechanism
 composed over the steps taken, from Google's dp-accounting (PLD accountant, add-or-remove-

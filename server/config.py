@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class OptimizerSpec:
     """--optimizer: a Keras optimizer's name and settings, "name[:key=value,...]"; whether
-    Keras has them is checked as the models load (`pergrad.server.training`)."""
+    Keras has them is checked before any model loads (`pergrad.server.training`)."""
 
     text: str
     name: str

@@ -24,11 +24,10 @@ from pergrad.server.models.registry import ServedModel
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.catalogue import STEP_SUMS
 from pergrad.wire.codec import decode_tensor
 from pergrad.wire.results import GradientResult
 
-# The reductions a step's batch may ask, and the output that is the step's gradient sum.
-GRADIENT_SUMS = {"clipped_sum": "clipped_sum", "moments": "sum"}
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # GradientsRequest fields the step sets itself, so its batch leaves them unset.
 _STEP_OWNED = ("model", "model_version", "weights_id", "variables")
@@ -59,7 +58,9 @@ def apply_step(
         raise InvalidArgument("ApplyStep: set exactly one of batch and gradient_sum")
     if given and not request.expected_batch_size:
         raise InvalidArgument("expected_batch_size: required with gradient_sum")
-    with served.trainer.turn():
+    if request.expected_batch_size:
+        _positive(request.expected_batch_size, "expected_batch_size")
+    with served.trainer.turn(cancelled):
         snapshot = served.weights.get(request.model_version, request.weights_id)
         result = None
         if given:
@@ -75,7 +76,7 @@ def apply_step(
                 caller=caller,
                 held_bytes=held_bytes,
             )
-            total = getattr(result, GRADIENT_SUMS[result_name(request.batch)])
+            total = getattr(result, STEP_SUMS[result_name(request.batch)])
         divisor = request.expected_batch_size or result.batch_size
         gradient = _divided(served, total, _positive(divisor, "expected_batch_size"))
         stepped = served.trainer.apply(
@@ -102,10 +103,8 @@ def _batch_result(
     **call: object,
 ) -> GradientResult:
     name = result_name(batch)
-    if name not in GRADIENT_SUMS:
-        raise InvalidArgument(
-            f"batch.reduction: a step applies {sorted(GRADIENT_SUMS)}, got {name}"
-        )
+    if name not in STEP_SUMS:
+        raise InvalidArgument(f"batch.reduction: a step applies {sorted(STEP_SUMS)}, got {name}")
     owned = [f for f in _STEP_OWNED if _is_set(batch, f)]
     if owned:
         raise InvalidArgument(f"batch: {owned} are the step's own; leave them unset in batch")
@@ -121,11 +120,17 @@ def _is_set(message: pb.GradientsRequest, field: str) -> bool:
 def _given_sum(
     served: ServedModel, tensors: Mapping[str, tensor_pb2.Tensor]
 ) -> dict[str, np.ndarray]:
+    """The sum a caller gives: float32 (whatever the variables' dtypes), one tensor of
+    each variable's shape."""
     arrays = {
         name: decode_tensor(tensor, what=f"gradient_sum[{name!r}]")
         for name, tensor in tensors.items()
     }
-    served.weights.check([(name, a.dtype, a.shape) for name, a in arrays.items()])
+    wrong = sorted(name for name, a in arrays.items() if a.dtype != np.float32)
+    if wrong:
+        raise InvalidArgument(f"gradient_sum {wrong}: must be float32")
+    dtypes = {v.name: v.dtype for v in served.engine.variables}
+    served.weights.check([(n, dtypes.get(n, a.dtype), a.shape) for n, a in arrays.items()])
     bad = sorted(name for name, a in arrays.items() if not np.isfinite(a).all())
     if bad:
         raise InvalidArgument(f"gradient_sum {bad} hold NaN or infinity")
@@ -137,7 +142,7 @@ def _divided(
 ) -> list[np.ndarray]:
     """sum / divisor in float32 (the divisor rounded to float32), in model order."""
     scale = np.float32(divisor)
-    with np.errstate(over="ignore"):  # an overflow is refused whole when the step commits
+    with np.errstate(over="ignore"):  # a step that overflows is refused when it commits
         return [
             np.divide(total[v.name], scale, dtype=np.float32).astype(v.dtype, copy=False)
             for v in served.engine.variables
@@ -154,6 +159,6 @@ def _norm(gradient: list[np.ndarray]) -> float:
 
 def _positive(value: float, field: str) -> float:
     """A finite number > 0 that stays one in float32, the dtype the step computes in."""
-    if not (math.isfinite(value) and 0 < value <= _FLOAT32_MAX):
+    if not (math.isfinite(value) and value <= _FLOAT32_MAX and np.float32(value) > 0):
         raise InvalidArgument(f"{field}: a finite number > 0 (float32), got {value}")
     return value

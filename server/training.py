@@ -12,7 +12,7 @@ SetWeights, whose snapshot holds no optimizer state, starts the state afresh.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,7 +22,9 @@ import tensorflow as tf
 
 from pergrad.server.config import ConfigError, OptimizerSpec
 from pergrad.server.engine.compiled import FlatCall
+from pergrad.server.errors import Cancelled
 
+_TURN_POLL_S = 0.1  # how often a step waiting for its turn asks whether its call ended
 # Settings every Keras optimizer shares that a step does not take from --optimizer: the
 # learning rate is each step's own; the rest would change the update behind the
 # caller's back (gradient clipping, EMA, accumulation), so they are refused.
@@ -104,18 +106,23 @@ class Trainer:
         self._model = model
         self._optimizer = make_optimizer(spec)
         self.description = describe(self._optimizer)
-        self._lock = threading.Lock()  # one step at a time uses the scratch variables
         self._turns = threading.Lock()
         self._shadows: list[keras.Variable] = []
         self._fresh: tuple[tf.Tensor, ...] = ()
         self._step: FlatCall | None = None
 
     @contextmanager
-    def turn(self) -> Iterator[None]:
+    def turn(self, cancelled: Callable[[], bool] = lambda: False) -> Iterator[None]:
         """A whole step (gradient, update, commit) of this model, one at a time: each
-        starts from the weights the last one left."""
-        with self._turns:
+        starts from the weights the last one left, and only a step in its turn uses the
+        scratch variables. A caller that goes away while waiting leaves the queue."""
+        while not self._turns.acquire(timeout=_TURN_POLL_S):
+            if cancelled():
+                raise Cancelled("the call was cancelled waiting for its turn; nothing applied")
+        try:
             yield
+        finally:
+            self._turns.release()
 
     def _build(self) -> None:
         # Zeros, not the model's values: a variable made from another may share its
@@ -135,6 +142,8 @@ class Trainer:
             variable.assign(value)
         for variable, value in zip(self._optimizer.variables, state, strict=True):
             variable.assign(value)
+        # After the state, which holds the learning-rate variable too (as the last step
+        # left it): this step's rate must be the one applied.
         self._optimizer.learning_rate = learning_rate
         self._optimizer.apply(gradient, self._shadows)
         return (
@@ -149,14 +158,14 @@ class Trainer:
         gradient: Sequence[tf.Tensor],
         learning_rate: float,
     ) -> Stepped:
-        """The weights and state after one step from `weights` and `state` (None: fresh)."""
-        with self._lock:
-            if self._step is None:
-                self._build()
-            new_weights, new_state = self._step(
-                list(weights),
-                list(self._fresh if state is None else state),
-                list(gradient),
-                np.float32(learning_rate),
-            )
+        """The weights and state after one step from `weights` and `state` (None: fresh);
+        called in the step's `turn`."""
+        if self._step is None:
+            self._build()
+        new_weights, new_state = self._step(
+            list(weights),
+            list(self._fresh if state is None else state),
+            list(gradient),
+            np.float32(learning_rate),
+        )
         return Stepped(tuple(new_weights), tuple(new_state))

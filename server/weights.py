@@ -150,10 +150,11 @@ class WeightsStore:
         _check_new_version(new_version)
         arrays = [t.numpy() for t in trainable]
         bad = [s.name for s, a in zip(self._variables, arrays, strict=True) if not _finite(a)]
-        if bad:
+        if bad or not all(_finite(t.numpy()) for t in optimizer_state):
+            what = f"weights {bad}" if bad else "the optimizer's state"
             raise FailedPrecondition(
-                f"the step would make weights {bad} NaN or infinite; nothing was changed "
-                "(a smaller learning rate, or max_norm, keeps them finite)"
+                f"the step would make {what} NaN or infinite; nothing was changed "
+                "(the gradient, or learning_rate times it, overflows float32)"
             )
         identity = weights_id(self._variables, arrays)
         with self._lock:

@@ -165,6 +165,10 @@ DEFAULT_REDUCTIONS = (
 # The client's call parameters (`GradientClient.per_example_gradients` and `stream`, whose
 # other keywords are reduction options): no option may take one of these names, or the
 # call would swallow it (tests/client/test_call.py holds the client's signatures to it).
+# The reductions a training step (ApplyStep) applies, each with the output that is its
+# gradient sum: DP-SGD's noised clipped sum, or the plain sum.
+STEP_SUMS = {"clipped_sum": "clipped_sum", "moments": "sum"}
+
 CALL_PARAMETERS = frozenset(
     {"model", "x", "y", "batches", "out", "timeout", "reduction", "variables"}
     | {"model_version", "weights_id", "upcast"}

@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from pergrad.server.config import OptimizerSpec, parse_optimizer
+from pergrad.server.config import Config, OptimizerSpec, parse_optimizer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
 from pergrad.server.errors import NotFound
@@ -19,7 +19,7 @@ from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, re
 from pergrad.server.training import Trainer
 from pergrad.server.weights import WeightsStore
 
-DEFAULT_OPTIMIZER = parse_optimizer("sgd")
+DEFAULT_OPTIMIZER = parse_optimizer(Config.optimizer)
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -253,7 +253,25 @@ def _gated_replica(index: int) -> tuple[Gate, RunningServer]:
     return gate, start(config, ModelRegistry([served]))
 
 
-def test_a_replica_dying_mid_step_is_named_and_no_replica_applies_the_step() -> None:
+def test_replicas_whose_optimizer_states_differ_are_found_out(trained_replicas) -> None:
+    """One replica stepped alone, the other set to its weights (a fresh state): a step on
+    both makes different weights under one version, and says so."""
+    x, y = batch_for((784,), 10, 16)
+    with GradientClient(trained_replicas[0]) as first:
+        _step(first, "mnist_mlp", x, y, seed=1)
+        _, weights = first.get_weights("mnist_mlp")
+    with GradientClient(trained_replicas[1]) as second:
+        second.set_weights("mnist_mlp", weights)
+    with (
+        GradientClient(_many(trained_replicas)) as many,
+        pytest.raises(PergradError) as refused,
+    ):
+        _step(many, "mnist_mlp", x, y, seed=2)
+    assert refused.value.code == grpc.StatusCode.DATA_LOSS
+    assert "their optimizer states differ" in refused.value.message
+
+
+def test_a_replica_dying_during_the_steps_pass_is_named_and_no_replica_applies_it() -> None:
     """The step's micro-batch is in the victim's pass when the victim stops at once (no
     grace: its calls end, its port closes): the step fails naming it, and the survivor
     stays on the weights the step started from."""

@@ -190,12 +190,27 @@ def test_a_step_that_fails_leaves_weights_and_optimizer_state_as_they_were(serve
     assert failing.model_info(MODEL).weights_id == control.model_info(MODEL).weights_id
 
 
+def test_a_step_that_would_overflow_the_optimizers_state_is_refused(serve) -> None:
+    """Adam's second moment of a gradient of ~1e24 overflows float32 while the weights
+    stay finite (the update divides by it): refused, or every later step would be NaN."""
+    client = serve("adam")
+    before = client.model_info(MODEL).weights_id
+    x, y = _batch(3)
+    with pytest.raises(PergradError) as refused:
+        client.step(MODEL, x, y, learning_rate=LR, reduction="moments", expected_batch_size=1e-24)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the optimizer's state NaN or infinite" in refused.value.message
+    assert client.model_info(MODEL).weights_id == before
+    _dp_step(client, 4)  # and the model still steps
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
         ({"learning_rate": float("nan")}, "learning_rate: a finite number > 0"),
         ({"learning_rate": -0.1}, "learning_rate: a finite number > 0"),
         ({"learning_rate": 1e39}, "learning_rate: a finite number > 0 (float32)"),
+        ({"learning_rate": 1e-46}, "learning_rate: a finite number > 0 (float32)"),
         ({"expected_batch_size": float("inf")}, "expected_batch_size: a finite number > 0"),
         ({"reduction": "norms", "max_norm": None}, "a step applies ['clipped_sum', 'moments']"),
         ({"variables": ["head/bias"]}, "a step updates every variable"),

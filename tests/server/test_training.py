@@ -48,11 +48,34 @@ def test_a_step_depends_only_on_the_weights_and_state_it_is_given() -> None:
     trainer = Trainer(model, parse_optimizer("adam"))
     weights = [v.value for v in model.trainable_variables]
     gradient = [tf.ones_like(w) for w in weights]
-    first = trainer.apply(weights, None, gradient, 0.1)
-    second = trainer.apply(first.weights, first.state, gradient, 0.1)
-    again = trainer.apply(weights, None, gradient, 0.1)
+    with trainer.turn():
+        first = trainer.apply(weights, None, gradient, 0.1)
+        second = trainer.apply(first.weights, first.state, gradient, 0.1)
+        again = trainer.apply(weights, None, gradient, 0.1)
     for a, b in zip(first.weights + first.state, again.weights + again.state, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert not np.array_equal(second.weights[0].numpy(), first.weights[0].numpy())
     for variable, value in zip(model.trainable_variables, weights, strict=True):
         np.testing.assert_array_equal(variable.numpy(), value.numpy())
+
+
+def test_each_step_applies_its_own_learning_rate() -> None:
+    """Rates 0.1 then 0.5 from a Trainer, against Keras's optimizer on local variables
+    given the same gradients and rates (the state holds the last rate; the step's own
+    must win)."""
+    model = tabular_model()
+    trainer = Trainer(model, parse_optimizer("sgd:momentum=0.9"))
+    local = [keras.Variable(v.numpy()) for v in model.trainable_variables]
+    optimizer = keras.optimizers.SGD(momentum=0.9)
+    optimizer.build(local)
+    weights, state = [v.value for v in model.trainable_variables], None
+    rng = np.random.default_rng(0)
+    for rate in (0.1, 0.5):
+        gradient = [rng.standard_normal(w.shape).astype(np.float32) for w in weights]
+        with trainer.turn():
+            stepped = trainer.apply(weights, state, gradient, rate)
+        weights, state = stepped.weights, stepped.state
+        optimizer.learning_rate = rate
+        optimizer.apply(gradient, local)
+    for served, expected in zip(weights, local, strict=True):
+        np.testing.assert_allclose(served.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)

@@ -127,9 +127,11 @@ class GradientServiceServicer:
         """One training step on the server: the step's gradient (computed from a batch, or
         given), divided by the expected batch size, is applied to the current weights by
         the model's optimizer (ModelInfo.optimizer), and the new weights become current with
-        a new version, as SetWeights would make them. All or nothing: a refused, failed or
-        cancelled step changes neither the weights nor the optimizer's state. Neither the
-        weights nor the gradient crosses the wire.
+        a new version, as SetWeights would make them. All or nothing: a refused or failed
+        step, or one cancelled before it commits, changes neither the weights nor the
+        optimizer's state (a cancel that arrives as it commits may find it applied: pin
+        model_version, so that a retry cannot apply it twice). A step from a batch sends
+        neither the weights nor the gradient over the wire. A model's steps take turns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
