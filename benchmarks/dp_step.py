@@ -11,8 +11,10 @@ What a DP user pays per step, B=256, for mnist_mlp, mnist_cnn and transformer_bl
   get/set     the loop before ApplyStep: `clipped_sum` of the batch at the current
               version, the update w -= lr * sum / B in numpy, `set_weights` pinned to
               that version (its two calls also timed alone)
+  engine      the step's per-example work alone: the engine's seeded clipped sum of
+              the batch in this process (what no wire or server change can remove)
 
-The three steps take turns in every round; figures are medians.
+The four take turns in every round; figures are medians.
 
     python benchmarks/dp_step.py [--steps 15] [--models ...]
 """
@@ -123,6 +125,25 @@ class ServerStep:
         ).model_version
 
 
+def _at_current(client: GradientClient, model: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """`fn`, its pin moved to the model's current version first (the two loops take turns
+    on one model, each moving it), outside the time taken."""
+    if hasattr(fn, "pin"):
+        fn.pin = client.model_info(model).model_version
+    return fn
+
+
+def engine_clipped_sum(model_name: str, x: np.ndarray, y: np.ndarray) -> Callable[[], None]:
+    """The step's per-example work alone: the engine's seeded clipped sum, in process."""
+    from pergrad.server.engine import Engine
+    from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+
+    engine = Engine(BUILTIN_MODELS[model_name](), loss=LOSS)
+    return lambda: engine.per_example_gradients(
+        x, y, reduction="clipped_sum", max_norm=1.0, noise_multiplier=1.0, seed=1
+    )
+
+
 def _timed(fn: Callable[[], None]) -> float:
     began = time.perf_counter()
     fn()
@@ -136,22 +157,19 @@ def measure(model: str, steps: int) -> dict[str, float]:
             x, y = _batch(client.model_info(model))
             methods = {
                 "tf": tf_step(model, x, y),
+                "engine": engine_clipped_sum(model, x, y),
                 "server": ServerStep(client, model, x, y),
                 "dp": DpStep(client, model, x, y),
             }
             for fn in methods.values():  # warm: tracing, allocation
                 for _ in range(2):
-                    if hasattr(fn, "pin"):
-                        fn.pin = client.model_info(model).model_version
-                    fn()
+                    _at_current(client, model, fn)()
             dp = methods["dp"]
             dp.times = {k: [] for k in dp.times}
             times: dict[str, list[float]] = {name: [] for name in methods}
             for _ in range(steps):
                 for name, fn in methods.items():
-                    if hasattr(fn, "pin"):  # the two loops take turns on one model
-                        fn.pin = client.model_info(model).model_version
-                    times[name].append(_timed(fn))
+                    times[name].append(_timed(_at_current(client, model, fn)))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -169,15 +187,16 @@ def main() -> None:
     args = parser.parse_args()
     print(
         f"| model (B={BATCH}) | TF step ms | server step ms | ratio | get/set step ms | ratio "
-        "| its clipped_sum ms | its set_weights ms |"
+        "| its clipped_sum ms | its set_weights ms | engine clipped_sum ms |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model in args.models:
         m = measure(model, args.steps)
         print(
             f"| {model} | {1000 * m['tf']:.1f} | {1000 * m['server']:.1f} | "
             f"{m['server'] / m['tf']:.2f} | {1000 * m['dp']:.1f} | {m['dp'] / m['tf']:.2f} | "
-            f"{1000 * m['clipped_sum']:.1f} | {1000 * m['set_weights']:.1f} |",
+            f"{1000 * m['clipped_sum']:.1f} | {1000 * m['set_weights']:.1f} | "
+            f"{1000 * m['engine']:.1f} |",
             flush=True,
         )
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from pergrad.cli.connect import add_connection_arguments, connect
 from pergrad.client import GradientResult, ModelInfo, PergradError
 from pergrad.wire.casting import rows
-from pergrad.wire.catalogue import CATALOGUE, Option
+from pergrad.wire.catalogue import CATALOGUE, STEP_SUMS, Option
 
 
 def _describe(info: ModelInfo) -> str:
@@ -148,9 +148,10 @@ def _grads(args: argparse.Namespace) -> int:
 def _steps(args: argparse.Namespace) -> int:
     """Training steps on the server over the .npz, a batch per step, in order; a line per
     epoch of what a trainer logs."""
-    options = {"max_norm": args.max_norm, "noise_multiplier": args.noise_multiplier}
-    if args.reduction == "moments":
-        options = {}
+    given = {"max_norm": args.max_norm, "noise_multiplier": args.noise_multiplier}
+    options = (
+        {} if args.reduction == "moments" else {k: v for k, v in given.items() if v is not None}
+    )
     with connect(args) as client:
         x, y = _read_data(args, client.model_info(args.model))
         if not len(y):
@@ -165,7 +166,7 @@ def _steps(args: argparse.Namespace) -> int:
                     learning_rate=args.learning_rate,
                     expected_batch_size=args.expected_batch_size,
                     reduction=args.reduction,
-                    **{k: v for k, v in options.items() if v is not None},
+                    **options,
                 )
                 losses.append(done.losses)
                 clipped += done.num_clipped
@@ -258,7 +259,7 @@ def _add_step_arguments(step: argparse.ArgumentParser) -> None:
     step.add_argument(
         "--reduction",
         default="clipped_sum",
-        choices=["clipped_sum", "moments"],
+        choices=sorted(STEP_SUMS),
         help="clipped_sum: DP-SGD (--max-norm, --noise-multiplier; fresh noise); "
         "moments: the plain sum",
     )

@@ -92,9 +92,7 @@ def on_all(
         step.gradient_sum[name].CopyFrom(encode_tensor(np.ascontiguousarray(array, np.float32)))
     step.weights_id = result.weights_id
     step.expected_batch_size = step.expected_batch_size or result.batch_size
-    request = pb.GetModelInfoRequest(model=info.name)
-    versions = writer.on_all(lambda s: s.GetModelInfo(request, timeout=timeout).model_version)
-    step.new_version = max(versions) + 1
+    step.new_version = writer.next_version(info.name, timeout)
 
     def apply(stub: Any) -> pb.StepResponse:
         return stub.ApplyStep(step, timeout=timeout)

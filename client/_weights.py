@@ -79,11 +79,7 @@ class WeightsWriter:
             name: np.ascontiguousarray(value, dtype=dtypes.get(name))
             for name, value in weights.items()
         }
-        new_version = 0
-        if len(self._stubs) > 1:
-            request = pb.GetModelInfoRequest(model=info.name)
-            versions = self.on_all(lambda s: s.GetModelInfo(request, timeout=timeout).model_version)
-            new_version = max(versions) + 1
+        new_version = self.next_version(info.name, timeout) if len(self._stubs) > 1 else 0
 
         def send(stub: pb_grpc.GradientServiceStub) -> tuple[int, str]:
             header = pb.WeightsHeader(
@@ -97,6 +93,13 @@ class WeightsWriter:
             return reply.model_version, reply.weights_id
 
         return max(self.on_all(send))
+
+    def next_version(self, model: str, timeout: float | None) -> int:
+        """One more than the highest version any replica has: the version an update
+        gives them all."""
+        request = pb.GetModelInfoRequest(model=model)
+        versions = self.on_all(lambda s: s.GetModelInfo(request, timeout=timeout).model_version)
+        return max(versions) + 1
 
     def on_all(self, fn: Callable[[pb_grpc.GradientServiceStub], Any]) -> list[Any]:
         """fn on every replica at once; an error names each replica that failed."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 from collections.abc import Sequence
@@ -96,6 +97,10 @@ class Config:
             derived = self.port + METRICS_PORT_OFFSET if self.port else 0
             object.__setattr__(self, "metrics_port", derived)
 
+    @functools.cached_property
+    def optimizer_spec(self) -> OptimizerSpec:
+        return parse_optimizer(self.optimizer)
+
     @property
     def max_calls(self) -> int:
         """Calls to the service admitted at once: computing, or waiting for a worker."""
@@ -144,7 +149,7 @@ class Config:
                 f"--max-coalesced-batch must be >= 0 (0 turns coalescing off), "
                 f"got {self.max_coalesced_batch}"
             )
-        parse_optimizer(self.optimizer)
+        _ = self.optimizer_spec  # parsed here: a bad --optimizer stops the start
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
         if self.model_dir is not None and not self.model_dir.is_dir():

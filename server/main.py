@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2_grpc
 from pergrad.server.admission import Admission
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
-from pergrad.server.config import JIT_CHOICES, Config, parse_optimizer
+from pergrad.server.config import JIT_CHOICES, Config
 from pergrad.server.guard import CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
@@ -78,7 +78,7 @@ class RunningServer:
 
 def build_registry(config: Config) -> ModelRegistry:
     specs = config.models or tuple(BUILTIN_MODELS)
-    optimizer = parse_optimizer(config.optimizer)
+    optimizer = config.optimizer_spec
     make_optimizer(optimizer)  # a bad --optimizer stops the start before any model loads
     return ModelRegistry(
         load_model(

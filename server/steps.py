@@ -66,7 +66,7 @@ def apply_step(
         if given:
             total = _given_sum(served, request.gradient_sum)
         else:
-            result = _batch_result(
+            result, total = _batch_sum(
                 served,
                 request.batch,
                 snapshot,
@@ -76,9 +76,8 @@ def apply_step(
                 caller=caller,
                 held_bytes=held_bytes,
             )
-            total = getattr(result, STEP_SUMS[result_name(request.batch)])
         divisor = request.expected_batch_size or result.batch_size
-        gradient = _divided(served, total, _positive(divisor, "expected_batch_size"))
+        gradient = _divided(served, total, divisor)
         stepped = served.trainer.apply(
             snapshot.trainable, snapshot.optimizer_state, gradient, learning_rate
         )
@@ -90,26 +89,24 @@ def apply_step(
     return Step(new, result, _norm(gradient))
 
 
-def result_name(batch: pb.GradientsRequest) -> str:
-    return pb.Reduction.Name(batch.reduction).removeprefix("REDUCTION_").lower()
-
-
-def _batch_result(
+def _batch_sum(
     served: ServedModel,
     batch: pb.GradientsRequest,
     snapshot: Snapshot,
     settings: Settings,
     admission: Admission,
     **call: object,
-) -> GradientResult:
-    name = result_name(batch)
-    if name not in STEP_SUMS:
-        raise InvalidArgument(f"batch.reduction: a step applies {sorted(STEP_SUMS)}, got {name}")
+) -> tuple[GradientResult, Mapping[str, np.ndarray]]:
+    """The batch's result at `snapshot`, and its gradient sum."""
     owned = [f for f in _STEP_OWNED if _is_set(batch, f)]
     if owned:
         raise InvalidArgument(f"batch: {owned} are the step's own; leave them unset in batch")
     work = prepare(served, batch, settings)
-    return reduced(dataclasses.replace(work, snapshot=snapshot), admission, **call)
+    name = work.asked.reduction.name
+    if name not in STEP_SUMS:
+        raise InvalidArgument(f"batch.reduction: a step applies {sorted(STEP_SUMS)}, got {name}")
+    result = reduced(dataclasses.replace(work, snapshot=snapshot), admission, **call)
+    return result, getattr(result, STEP_SUMS[name])
 
 
 def _is_set(message: pb.GradientsRequest, field: str) -> bool:
