@@ -88,6 +88,7 @@ bench: install
 	$(PY) benchmarks/load.py --small
 	$(PY) benchmarks/dp_step.py
 	$(PY) benchmarks/recurrent.py
+	$(PY) benchmarks/attacks.py
 
 # pergrad against torch.func and Opacus on the same weights and data. PyTorch and Opacus go
 # into their own virtualenv, never into .venv (make test's). torch stays pinned: 2.13.0 is

@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from types import TracebackType
 
-READY = re.compile(r"pergrad ready on (\S+:\d+)")
+READY = re.compile(r"pergrad ready on (\S+:\d+).* metrics on (http://\S+)")
 # The server drains for --grace (10 s by default) and exits within 20 s after it.
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL = 1000
@@ -24,7 +24,8 @@ LOG_TAIL = 1000
 
 class LocalServer:
     """Starts `pergrad serve --host 127.0.0.1 --port 0 --metrics-port 0 FLAGS...` and
-    waits for its ready line; the log is drained in a thread so the child never blocks."""
+    waits for its ready line (`target`, `metrics_url`); the log is drained in a thread so
+    the child never blocks."""
 
     def __init__(self, *flags: str) -> None:
         self.process = subprocess.Popen(
@@ -47,7 +48,7 @@ class LocalServer:
         self.log: deque[str] = deque(maxlen=LOG_TAIL)
         for line in self.process.stderr:
             if match := READY.search(line):
-                self.target = match.group(1)
+                self.target, self.metrics_url = match.group(1), match.group(2)
                 self._reader = threading.Thread(
                     target=self.log.extend, args=(self.process.stderr,), daemon=True
                 )

@@ -79,8 +79,19 @@ class WeightsStore:
             )
         return snapshot
 
+    def check_count(self, count: int) -> None:
+        """Refuse more tensors than variables before any of them is read (a header may
+        declare 60,000)."""
+        if count > len(self._variables):
+            names = [v.name for v in self._variables]
+            raise InvalidArgument(
+                f"weights name {count} tensors; the model has {len(names)} trainable "
+                f"variables, to be named once each: {names}"
+            )
+
     def check(self, tensors: Sequence[tuple[str, np.dtype, tuple[int, ...]]]) -> None:
         """Refuse unless (name, dtype, shape) covers every variable exactly once."""
+        self.check_count(len(tensors))
         names = [name for name, _, _ in tensors]
         expected = {v.name for v in self._variables}
         duplicated = sorted(name for name, count in Counter(names).items() if count > 1)

@@ -850,7 +850,8 @@ def test_cancelled_streams_are_counted_cancelled_not_internal(fresh_server, capl
 
 
 def test_a_header_declaring_60000_tensors_is_refused_at_once(fresh_client) -> None:
-    """The names are checked in linear time and the message quoting them is cut short:
+    """Refused on their count before any name is read (reading them cost 0.2 s of the
+    server's Python a call), with a message naming the model's variables:
     INVALID_ARGUMENT (not a trailer too large for gRPC), and updates go on."""
     header = pb.WeightsHeader(
         model="mnist_mlp",
@@ -859,7 +860,8 @@ def test_a_header_declaring_60000_tensors_is_refused_at_once(fresh_client) -> No
     with pytest.raises(grpc.RpcError) as err:
         fresh_client._stub.SetWeights(iter([pb.WeightsMessage(header=header)]), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "unknown" in err.value.details() and len(err.value.details()) <= 1100
+    assert "weights name 60000 tensors" in err.value.details()
+    assert "logits/bias" in err.value.details() and len(err.value.details()) <= 1100
     _, weights = fresh_client.get_weights("mnist_mlp")
     assert fresh_client.set_weights("mnist_mlp", weights) == 2
 
