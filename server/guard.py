@@ -63,6 +63,7 @@ from pergrad.server.handlers import (
     replaced,
 )
 from pergrad.server.interceptors import ended_by_client
+from pergrad.server.status import Sized, note_request_bytes, sized
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
@@ -74,6 +75,9 @@ _NO_WORKER = "the call ended while it waited for a worker"
 EVICTABLE_AFTER_S = 0.5
 # How often a call waiting for a worker's permit looks whether it has ended.
 PERMIT_POLL_S = 0.5
+# A connection's calls to health and reflection hold at most 1/OPEN_SHARE of their places
+# (half: a client may open 8 Watches at once on one channel).
+OPEN_SHARE = 2
 
 
 class _Waits:
@@ -211,6 +215,22 @@ class _Shares:
             self._give_back(caller)
             context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
 
+    def try_take(self, caller: str) -> Callable[[], None] | None:
+        """The caller's share at once, or None if it holds all of it: returns the function
+        that gives it back (once, however often it is called)."""
+        with self._changed:
+            if self._held.get(caller, 0) >= self.limit:
+                return None
+            self._held[caller] = self._held.get(caller, 0) + 1
+        given = threading.Event()
+
+        def give_back() -> None:
+            if not given.is_set():
+                given.set()
+                self._give_back(caller)
+
+        return give_back
+
     def _give_back(self, caller: str) -> None:
         with self._changed:
             left = self._held.get(caller, 0) - 1
@@ -249,6 +269,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._caller_calls: dict[str, _Places] = {}
         self._callers_lock = threading.Lock()
         self._open = _Places(max_open_calls, evict=True)
+        self._open_shares = _Shares(max(1, max_open_calls // OPEN_SHARE))
         self._open_streams = _Places(max_open_streams)
         self._watches = _Places(max_watch_streams)
         self.admitted_at_most = max_calls + max_open_calls + max_watch_streams
@@ -298,7 +319,7 @@ class CallGuard(grpc.ServerInterceptor):
             guarded.experimental_thread_pool = self._open_pool
         if handler.request_streaming:
             return replaced(handler, guarded)
-        return as_request_stream(handler, guarded)
+        return as_request_stream(handler, guarded, sized(handler.request_deserializer))
 
     def _token_places(
         self, table: dict[str, _Places], limit: int | None, details: grpc.HandlerCallDetails
@@ -346,8 +367,10 @@ class CallGuard(grpc.ServerInterceptor):
             ) -> None:
                 for place in places:
                     place.hold_until_done(context)
-                request = self._request(iterator, context, method, waiting)
+                share = self._open_share(context)
+                request = self._request(iterator, context, method, waiting).request
                 places[0].give_back()
+                share()
                 return behavior(request, context, send)
 
             handle_watch.experimental_non_blocking = True
@@ -356,14 +379,17 @@ class CallGuard(grpc.ServerInterceptor):
         def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
             for place in places:
                 place.hold_until_done(context)
+            if open_service:
+                self._open_share(context)
             if handler.request_streaming:
                 if not open_service:
                     _compute_permit(self._permits, context)
                 result = behavior(self._requests(iterator, context, method, waiting), context)
             else:
-                request = self._request(iterator, context, method, waiting)
+                request, nbytes = self._request(iterator, context, method, waiting)
                 if not open_service:
-                    self._hold(request, context)
+                    note_request_bytes(context, nbytes)
+                    self._hold(request, nbytes, context)
                     self._shares.take(self._caller(context), context)
                     _compute_permit(self._permits, context)
                 result = behavior(request, context)
@@ -373,16 +399,33 @@ class CallGuard(grpc.ServerInterceptor):
 
         return handle
 
+    def _open_share(self, context: grpc.ServicerContext) -> Callable[[], None]:
+        """A place of the connection's share of the open services' places, given back
+        when the call ends (or by calling what this returns), or the call refused at
+        once: one connection renewing its silent calls as fast as they are evicted
+        cannot hold every place (calls to health and reflection need no token, so their
+        caller is their connection, known once the handler runs)."""
+        give_back = self._open_shares.try_take(context.peer())
+        if give_back is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this connection holds {self._open_shares.limit} calls to health and "
+                "reflection already; end one, or open another connection",
+            )
+        if not context.add_callback(give_back):
+            give_back()
+        return give_back
+
     def _caller(self, context: grpc.ServicerContext) -> str:
         return caller_of(context, self._per_caller_streams is not None)
 
-    def _hold(self, request: Any, context: grpc.ServicerContext) -> None:
-        """Price the request's bytes from its arrival to the call's end (`Admission.hold`):
-        calls queued for a worker hold their requests too."""
+    def _hold(self, request: Any, nbytes: int, context: grpc.ServicerContext) -> None:
+        """Price the request's `nbytes` from its arrival to the call's end
+        (`Admission.hold`): calls queued for a worker hold their requests too."""
         if self._admission is None or not isinstance(request, Message):
             return  # a malformed request kept none of its bytes; its handler refuses it
         try:
-            release = self._admission.hold(request.ByteSize(), self._caller(context))
+            release = self._admission.hold(nbytes, self._caller(context))
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         if not context.add_callback(release):
@@ -432,8 +475,9 @@ class CallGuard(grpc.ServerInterceptor):
         context: grpc.ServicerContext,
         method: str,
         waiting: _Place | None = None,
-    ) -> Any:
-        """The one request of a call to a method that takes one (then the client's end)."""
+    ) -> Sized:
+        """The one request of a call to a method that takes one (then the client's end),
+        with its size on the wire."""
         requests = self._requests(iterator, context, method, waiting)
         try:
             request = next(requests, _NOTHING)

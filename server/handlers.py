@@ -82,14 +82,15 @@ def replaced(
 
 
 def as_request_stream(
-    handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]
+    handler: grpc.RpcMethodHandler,
+    behavior: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """`handler`'s method served as request-streaming, with its response arity, serializers,
-    thread pool and declared kind: `behavior` takes the iterator of requests in place of
-    the one request."""
-    return _made(
-        handler, kind(True, handler.response_streaming), behavior, handler.request_deserializer
-    )
+    """`handler`'s method served as request-streaming, with its response arity, serializers
+    (or `request_deserializer`), thread pool and declared kind: `behavior` takes the
+    iterator of requests in place of the one request."""
+    deserializer = request_deserializer or handler.request_deserializer
+    return _made(handler, kind(True, handler.response_streaming), behavior, deserializer)
 
 
 # Refusals (a missing token, a limit reached) end their call at once with an abort: they

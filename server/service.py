@@ -19,7 +19,7 @@ from pergrad.server.gradients import Settings, prepare, responses
 from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
-from pergrad.server.status import parser, status
+from pergrad.server.status import parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.weights import Snapshot
@@ -167,7 +167,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse]:
-        messages = self._gradients(request, context, held_bytes=request.ByteSize())
+        messages = self._gradients(request, context, held_bytes=request_bytes(context, request))
         yield from tracked(self.metrics, request, messages, context)
 
     @status
@@ -192,7 +192,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 self._admission,
                 cancelled=lambda: not context.is_active(),
                 caller=caller_of(context, self._config.auth_token_file is not None),
-                held_bytes=request.ByteSize(),
+                held_bytes=request_bytes(context, request),
             )
         except Exception:
             self.metrics.weights_update_failed(served.name)

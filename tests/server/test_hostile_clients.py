@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
-from pergrad.server.guard import EVICTABLE_AFTER_S
+from pergrad.server.guard import EVICTABLE_AFTER_S, OPEN_SHARE
 from pergrad.server.main import (
     OPEN_CALLS,
     OPEN_STREAMS,
@@ -47,6 +47,9 @@ from tests.prometheus import sample_value, scrape
 from tests.zoo import FAMILIES, VOCABULARY
 
 SERVICE = "/pergrad.v1.GradientService/"
+# A channel with a connection of its own (gRPC shares one between a process's channels to
+# a target otherwise): a caller of its own where callers are connections.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 _HealthReply = health_pb2.HealthCheckResponse.FromString
 
 
@@ -189,11 +192,22 @@ def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers(
                 _until(running.metrics_port, "grpc_server_started_total", name)
             assert _list_models(channel, timeout=30) == ["mnist_mlp"]
             assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * len(SILENT)
-            names = ["Check", "Watch"] * (OPEN_CALLS // 2)
-            probes = [_idle_stream(channel, HEALTH + name, timeout=60) for name in names]
+            # every open place, each connection holding its share of them
+            connections = [
+                grpc.insecure_channel(_target(running), options=OWN_CONNECTION)
+                for _ in range(OPEN_SHARE)
+            ]
+            names = ["Check", "Watch"] * (OPEN_CALLS // OPEN_SHARE // 2)
+            probes = [
+                _idle_stream(connection, HEALTH + name, timeout=60)
+                for connection in connections
+                for name in names
+            ]
             time.sleep(0.3 + EVICTABLE_AFTER_S)  # they hold every place, and may lose one
             assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
-            assert [_code(call) for call in probes] == [grpc.StatusCode.CANCELLED] * len(names)
+            assert [_code(call) for call in probes] == [grpc.StatusCode.CANCELLED] * len(probes)
+            for connection in connections:
+                connection.close()
         exposition = _until(
             running.metrics_port, "grpc_server_handled_total", "ListModels", grpc_code="CANCELLED"
         )
@@ -271,8 +285,11 @@ def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
     ~55 s, and every call was RESOURCE_EXHAUSTED while the silent ones were queued)."""
     running = _start(workers=2, max_queued_calls=4, stall_timeout_s=60)
     try:
-        with grpc.insecure_channel(_target(running)) as channel:
-            silent = [_idle_stream(channel, HEALTH + "Check", timeout=60) for _ in range(70)]
+        with (
+            grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as attacker,
+            grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel,
+        ):
+            silent = [_idle_stream(attacker, HEALTH + "Check", timeout=60) for _ in range(70)]
             _until(running.metrics_port, "grpc_server_started_total", "Check", at_least=70)
             time.sleep(EVICTABLE_AFTER_S)  # the silent ones may now lose their places
             assert _check(channel, timeout=5) == health_pb2.HealthCheckResponse.SERVING
@@ -281,6 +298,43 @@ def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
                 call.cancel()
     finally:
         running.stop(0)
+
+
+def _renewing(channel: grpc.Channel, method: str, count: int, stop: threading.Event) -> None:
+    """Keep `count` calls open that never send their request, opening a new one as soon
+    as the server ends one (refused, evicted), until `stop`."""
+    calls: list[grpc.Future] = []
+    while not stop.wait(0.02):
+        calls = [call for call in calls if not call.done()]
+        calls += [_idle_stream(channel, method, timeout=60) for _ in range(count - len(calls))]
+    for call in calls:
+        call.cancel()
+
+
+def test_silent_health_checks_renewed_as_they_end_lock_out_no_probe() -> None:
+    """One connection keeps 70 silent health Checks open, reopening each the moment it is
+    refused or evicted: it holds half of the open services' places, so every honest
+    probe, on a connection of its own, is answered (before: its own new calls evicted its
+    oldest, no place was ever old enough to give way, and most probes were refused)."""
+    running = _start(workers=2, max_queued_calls=4, stall_timeout_s=60)
+    stop = threading.Event()
+    try:
+        with (
+            grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as attacker,
+            grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as honest,
+        ):
+            renewing = threading.Thread(
+                target=_renewing, args=(attacker, HEALTH + "Check", 70, stop), daemon=True
+            )
+            renewing.start()
+            _until(running.metrics_port, "grpc_server_started_total", "Check", at_least=140)
+            statuses = [_check(honest, timeout=5) for _ in range(20)]
+            stop.set()
+            renewing.join(30)
+    finally:
+        stop.set()
+        running.stop(0)
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 20
 
 
 def test_calls_that_never_send_their_request_hold_no_worker_from_honest_calls(
