@@ -125,8 +125,10 @@ def _unary(target: str, method: str, request: bytes, token: str | None) -> Calla
 def _gradients(model: str, x: np.ndarray, y: np.ndarray, **fields: Any) -> bytes:
     request = pb.GradientsRequest(model=model, inputs=encode_tensor(x), labels=encode_tensor(y))
     for name, value in fields.items():
-        field = getattr(request, name)
-        field.extend(value) if isinstance(value, list) else setattr(request, name, value)
+        if isinstance(value, list):
+            getattr(request, name).extend(value)
+        else:
+            setattr(request, name, value)
     return request.SerializeToString()
 
 
@@ -325,6 +327,10 @@ class Honest:
             ).read(),
         }
 
+    def close(self) -> None:
+        self.client.close()
+        self.channel.close()
+
     def rss_mb(self) -> float:
         status = Path(f"/proc/{self.pid}/status").read_text()
         kb = next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))
@@ -403,6 +409,7 @@ def main() -> None:
             print("| ---: | --- |" + " ---: |" * (len(honest.probes) + 3))
             for row in args.rows:
                 print(_row(row, honest, server.target, args.rounds), flush=True)
+            honest.close()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   without a token cannot reach the workers, nor make a health check wait. An open call
   arriving when every place is taken takes the place of the one that has waited on its
   client longest, for EVICTABLE_AFTER_S at least (cancelled): callers that send nothing
-  cannot lock out those that do;
+  cannot lock out those that do; and a connection's calls to health Check and
+  reflection hold half of the places at most (refused once their handler runs, before
+  their request is read), so one reopening its silent calls as fast as they are
+  evicted cannot keep every place young;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
   they then hold no thread and give their open-service place back.
 """
@@ -75,8 +78,9 @@ _NO_WORKER = "the call ended while it waited for a worker"
 EVICTABLE_AFTER_S = 0.5
 # How often a call waiting for a worker's permit looks whether it has ended.
 PERMIT_POLL_S = 0.5
-# A connection's calls to health and reflection hold at most 1/OPEN_SHARE of their places
-# (half: a client may open 8 Watches at once on one channel).
+# A connection's calls to health Check and reflection hold at most 1/OPEN_SHARE of the
+# open services' places (Watches, bounded by places of their own, hold one only while
+# their request is read, and are not counted: a client may open 16 at once).
 OPEN_SHARE = 2
 
 
@@ -194,8 +198,9 @@ class _Places:
 
 
 class _Shares:
-    """Each caller's share of the workers: at most `limit` of its calls compute at once,
-    so that one caller cannot hold every worker (its further calls wait, holding none)."""
+    """Each caller's share of a resource: at most `limit` of its calls hold it at once, so
+    that one caller cannot hold all of it. The workers: a caller's further calls wait,
+    holding none (`take`); the open services' places: they are refused (`try_take`)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -216,17 +221,17 @@ class _Shares:
             context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
 
     def try_take(self, caller: str) -> Callable[[], None] | None:
-        """The caller's share at once, or None if it holds all of it: returns the function
-        that gives it back (once, however often it is called)."""
+        """One of the caller's share at once, or None if it holds all of it: returns the
+        function that gives it back (once, however often and from whichever threads it
+        is called)."""
         with self._changed:
             if self._held.get(caller, 0) >= self.limit:
                 return None
             self._held[caller] = self._held.get(caller, 0) + 1
-        given = threading.Event()
+        once = threading.Lock()
 
         def give_back() -> None:
-            if not given.is_set():
-                given.set()
+            if once.acquire(blocking=False):
                 self._give_back(caller)
 
         return give_back
@@ -358,7 +363,8 @@ class CallGuard(grpc.ServerInterceptor):
         open_service: bool,
     ) -> Callable[..., Any]:
         """The call's behaviour, holding its places until it ends (a Watch gives its
-        open-service place back once its request is read: then it holds no thread)."""
+        open-service place back once its request is read: then it holds no thread), and
+        a call to another open service one of its connection's share (`_open_share`)."""
         waiting = places[0] if open_service else None
         if watch:
 
@@ -367,10 +373,8 @@ class CallGuard(grpc.ServerInterceptor):
             ) -> None:
                 for place in places:
                     place.hold_until_done(context)
-                share = self._open_share(context)
                 request = self._request(iterator, context, method, waiting).request
                 places[0].give_back()
-                share()
                 return behavior(request, context, send)
 
             handle_watch.experimental_non_blocking = True
@@ -399,12 +403,12 @@ class CallGuard(grpc.ServerInterceptor):
 
         return handle
 
-    def _open_share(self, context: grpc.ServicerContext) -> Callable[[], None]:
-        """A place of the connection's share of the open services' places, given back
-        when the call ends (or by calling what this returns), or the call refused at
-        once: one connection renewing its silent calls as fast as they are evicted
-        cannot hold every place (calls to health and reflection need no token, so their
-        caller is their connection, known once the handler runs)."""
+    def _open_share(self, context: grpc.ServicerContext) -> None:
+        """Hold one of the connection's share of the open services' places until the call
+        ends, or refuse the call at once: one connection reopening its silent calls as
+        fast as they are evicted cannot hold every place (calls to health and reflection
+        need no token, so their caller is their connection, known once the handler
+        runs)."""
         give_back = self._open_shares.try_take(context.peer())
         if give_back is None:
             context.abort(
@@ -414,7 +418,6 @@ class CallGuard(grpc.ServerInterceptor):
             )
         if not context.add_callback(give_back):
             give_back()
-        return give_back
 
     def _caller(self, context: grpc.ServicerContext) -> str:
         return caller_of(context, self._per_caller_streams is not None)

@@ -66,6 +66,7 @@ _REQUEST_BYTES: weakref.WeakKeyDictionary[grpc.ServicerContext, int] = weakref.W
 
 
 def note_request_bytes(context: grpc.ServicerContext, nbytes: int) -> None:
+    """Keep the size of the call's request as it was read, for `request_bytes`."""
     _REQUEST_BYTES[context] = nbytes
 
 

@@ -6,6 +6,7 @@ counted as errors."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -83,14 +84,16 @@ def _idle_stream(
     timeout: float | None = None,
 ) -> grpc.Future:
     """A request stream that sends nothing and never ends (to a method taking one request:
-    a call that never sends it)."""
-    never = threading.Event()
+    a call that never sends it); the thread gRPC runs its requests on ends with the call."""
+    ended = threading.Event()
 
     def requests() -> Iterator[bytes]:
-        never.wait()
-        yield b""
+        ended.wait()
+        yield from ()
 
-    return channel.stream_stream(method)(requests(), metadata=metadata, timeout=timeout)
+    call = channel.stream_stream(method)(requests(), metadata=metadata, timeout=timeout)
+    call.add_done_callback(lambda _: ended.set())
+    return call
 
 
 def _code(call: grpc.Future) -> grpc.StatusCode:
@@ -192,22 +195,25 @@ def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers(
                 _until(running.metrics_port, "grpc_server_started_total", name)
             assert _list_models(channel, timeout=30) == ["mnist_mlp"]
             assert [_code(call) for call in silent] == [grpc.StatusCode.CANCELLED] * len(SILENT)
-            # every open place, each connection holding its share of them
-            connections = [
-                grpc.insecure_channel(_target(running), options=OWN_CONNECTION)
-                for _ in range(OPEN_SHARE)
-            ]
-            names = ["Check", "Watch"] * (OPEN_CALLS // OPEN_SHARE // 2)
-            probes = [
-                _idle_stream(connection, HEALTH + name, timeout=60)
-                for connection in connections
-                for name in names
-            ]
-            time.sleep(0.3 + EVICTABLE_AFTER_S)  # they hold every place, and may lose one
-            assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
-            assert [_code(call) for call in probes] == [grpc.StatusCode.CANCELLED] * len(probes)
-            for connection in connections:
-                connection.close()
+            with contextlib.ExitStack() as stack:  # every open place, a share a connection
+                connections = [
+                    stack.enter_context(
+                        grpc.insecure_channel(_target(running), options=OWN_CONNECTION)
+                    )
+                    for _ in range(OPEN_SHARE)
+                ]
+                names = ["Check", "Watch"] * (OPEN_CALLS // OPEN_SHARE // 2)
+                probes = [
+                    _idle_stream(connection, HEALTH + name, timeout=60)
+                    for connection in connections
+                    for name in names
+                ]
+                for name in ("Check", "Watch"):
+                    _until(running.metrics_port, "grpc_server_started_total", name, OPEN_CALLS // 2)
+                time.sleep(EVICTABLE_AFTER_S)  # they hold every place, and may now lose one
+                assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
+                codes = [_code(call) for call in probes]
+            assert codes == [grpc.StatusCode.CANCELLED] * len(probes)
         exposition = _until(
             running.metrics_port, "grpc_server_handled_total", "ListModels", grpc_code="CANCELLED"
         )
@@ -278,11 +284,11 @@ def test_calls_without_a_valid_token_are_refused_while_every_worker_is_busy(
 
 def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
     """70 health Checks that never send their request (no token needed), beyond the open
-    services' places and gRPC's admission besides: those beyond the places are refused,
-    and once the silent ones have waited EVICTABLE_AFTER_S a new call takes the place of
-    the one that has waited longest, so an honest probe is answered at once, and the
-    other calls, admitted on places of their own, too (before: the honest probe waited
-    ~55 s, and every call was RESOURCE_EXHAUSTED while the silent ones were queued)."""
+    services' places and gRPC's admission besides: those beyond their connection's share
+    of the places are refused, so an honest probe on another connection is answered at
+    once, and the other calls, admitted on places of their own, too (before: the honest
+    probe waited ~55 s, and every call was RESOURCE_EXHAUSTED while the silent ones were
+    queued)."""
     running = _start(workers=2, max_queued_calls=4, stall_timeout_s=60)
     try:
         with (
@@ -291,7 +297,6 @@ def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
         ):
             silent = [_idle_stream(attacker, HEALTH + "Check", timeout=60) for _ in range(70)]
             _until(running.metrics_port, "grpc_server_started_total", "Check", at_least=70)
-            time.sleep(EVICTABLE_AFTER_S)  # the silent ones may now lose their places
             assert _check(channel, timeout=5) == health_pb2.HealthCheckResponse.SERVING
             assert _list_models(channel, timeout=5) == ["mnist_mlp"]
             for call in silent:
@@ -331,6 +336,7 @@ def test_silent_health_checks_renewed_as_they_end_lock_out_no_probe() -> None:
             statuses = [_check(honest, timeout=5) for _ in range(20)]
             stop.set()
             renewing.join(30)
+            assert not renewing.is_alive()
     finally:
         stop.set()
         running.stop(0)
