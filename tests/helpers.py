@@ -6,8 +6,10 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -104,6 +106,18 @@ def batch_for(shape: tuple[int, ...], classes: int, size: int, seed: int = 0):
     x = rng.standard_normal((size, *shape)).astype(np.float32)
     y = rng.integers(0, classes, size=size).astype(np.int32)
     return x, y
+
+
+def connect_both(client: Any, model: str, x: Any, y: Any) -> None:
+    """Call a two-replica client (one example a call: one replica each) until both
+    replicas have answered: round_robin picks only the replicas it has connected to, and
+    under load the second may connect several calls after the first; from then on
+    micro-batches go to both."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, f"only {seen} answered in 30 s"
+        seen.add(client.per_example_gradients(model, x[:1], y[:1], reduction="norms").server)
 
 
 def spawn_server(*flags: str) -> tuple[subprocess.Popen, str]:

@@ -19,7 +19,7 @@ from pergrad.client._channels import tls_name_options
 from pergrad.client._credentials import Security
 from pergrad.server.config import Config
 from pergrad.server.main import RunningServer, start
-from tests.helpers import batch_for, loopback_config
+from tests.helpers import batch_for, connect_both, loopback_config
 from tests.pki import Pki, make_pki
 
 TOKEN = "replica-token-5e1f"
@@ -99,11 +99,8 @@ def test_micro_batches_spread_over_replicas_with_the_credentials(replicas) -> No
     x, y = batch_for((784,), 10, 8)
     target = spread_target(servers)
     with GradientClient(target, timeout=TIMEOUT_S, micro_batch=2, **credentials) as client:
-        # round_robin only picks replicas it has connected to; the first call may find one.
-        for _ in range(5):
-            result = client.per_example_gradients("mnist_mlp", x, y)
-            if set(result.server.split(",")) == {"r0", "r1"}:
-                break
+        connect_both(client, "mnist_mlp", x, y)
+        result = client.per_example_gradients("mnist_mlp", x, y)
     assert set(result.server.split(",")) == {"r0", "r1"}
     assert result.gradients["hidden/kernel"].shape == (8, 784, 128)
 

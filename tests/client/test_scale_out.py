@@ -20,7 +20,14 @@ from pergrad.server.main import RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.registry import ModelRegistry, serve_model
 from tests import oracle
-from tests.helpers import assert_close, batch_for, loopback_config, spawn_server, stop_server
+from tests.helpers import (
+    assert_close,
+    batch_for,
+    connect_both,
+    loopback_config,
+    spawn_server,
+    stop_server,
+)
 from tests.pauses import Gate
 
 MODEL = "mnist_cnn"
@@ -68,11 +75,8 @@ def test_micro_batches_spread_over_replicas_and_match_one_server(replicas: list[
     with GradientClient(replicas[0]) as one:
         expected = one.per_example_gradients(MODEL, x, y)
     with GradientClient(_many(replicas), micro_batch=2) as many:
-        # round_robin only picks replicas it has connected to; the first call may find one.
-        for _ in range(5):
-            result = many.per_example_gradients(MODEL, x, y)
-            if len(set(result.server.split(","))) >= 2:
-                break
+        connect_both(many, MODEL, x, y)
+        result = many.per_example_gradients(MODEL, x, y)
     assert len(set(result.server.split(","))) >= 2, result.server
     assert_close({"losses": result.losses}, {"losses": expected.losses})
     assert_close(result.gradients, expected.gradients)
@@ -84,7 +88,9 @@ def test_reductions_merge_like_one_batch(replicas: list[str]) -> None:
     with GradientClient(replicas[0]) as one:
         expected = one.per_example_gradients(MODEL, x, y, **options)
     with GradientClient(_many(replicas), micro_batch=4) as many:
+        connect_both(many, MODEL, x, y)
         result = many.per_example_gradients(MODEL, x, y, **options)
+    assert "," in result.server
     assert result.num_clipped == expected.num_clipped
     assert_close(result.clipped_sum, expected.clipped_sum)
     assert_close({"norms": result.norms}, {"norms": expected.norms})
@@ -99,6 +105,7 @@ def test_micro_batches_over_replicas_match_keras_oracle(replicas: list[str]) -> 
     middle = len(norms) // 2
     max_norm = float(np.mean(np.sort(norms)[middle : middle + 2]))
     with GradientClient(_many(replicas), micro_batch=2) as many:
+        connect_both(many, MODEL, x, y)
         full = many.per_example_gradients(MODEL, x, y)
         clipped = many.per_example_gradients(
             MODEL, x, y, reduction="clipped_sum", max_norm=max_norm
@@ -113,7 +120,7 @@ def test_micro_batches_over_replicas_match_keras_oracle(replicas: list[str]) -> 
 def test_stream_over_replicas_keeps_the_order(replicas: list[str]) -> None:
     batches = [batch_for((28, 28, 1), 10, size, seed=size) for size in (3, 1, 4, 2, 5, 1)]
     with GradientClient(_many(replicas), max_in_flight=3) as many:
-        many.per_example_gradients(MODEL, *batches[0])  # connects to the replicas
+        connect_both(many, MODEL, *batches[0])
         results = list(many.stream(MODEL, batches, reduction="norms"))
         servers = {r.server for r in results}
         singles = [many.per_example_gradients(MODEL, x, y, reduction="norms") for x, y in batches]
@@ -182,10 +189,8 @@ def test_replicas_on_different_plans_warn() -> None:
             GradientClient(_many(targets), micro_batch=1) as many,
             pytest.warns(MixedPlansWarning, match="different plans"),
         ):
-            for _ in range(5):  # round_robin may use one replica until both connect
-                result = many.per_example_gradients(model, x, y, reduction="norms")
-                if "," in result.server:
-                    break
+            connect_both(many, model, x, y)
+            result = many.per_example_gradients(model, x, y, reduction="norms")
     finally:
         for server in running:
             server.stop(0)
@@ -198,8 +203,10 @@ def test_result_mixing_weights_versions_is_refused(own_replicas) -> None:
         _, weights = first.get_weights(MODEL)
         first.set_weights(MODEL, weights)
     x, y = batch_for((28, 28, 1), 10, 8)
-    with GradientClient(_many(targets), micro_batch=1) as many, pytest.raises(PergradError) as err:
-        many.per_example_gradients(MODEL, x, y)
+    with GradientClient(_many(targets), micro_batch=1) as many:
+        connect_both(many, MODEL, x, y)  # one example: one replica, one version
+        with pytest.raises(PergradError) as err:
+            many.per_example_gradients(MODEL, x, y)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "r0 v2" in err.value.message and "r1 v1" in err.value.message
 
@@ -229,6 +236,7 @@ def test_steps_leave_every_replica_on_the_same_weights_version_and_state(
     more with the same batch gives the same weights: their momentum agrees too."""
     x, y = batch_for((784,), 10, 64)
     with GradientClient(_many(trained_replicas), micro_batch=16) as many:
+        connect_both(many, "mnist_mlp", x, y)
         steps = [_step(many, "mnist_mlp", x, y, seed) for seed in range(3)]
     assert [s.model_version for s in steps] == [2, 3, 4]
     assert set(steps[-1].server.split(",")) == {"r0", "r1"}
@@ -283,6 +291,7 @@ def test_a_replica_dying_during_the_steps_pass_is_named_and_no_replica_applies_i
         with GradientClient(targets[1]) as one:
             before = one.model_info("gated")
         with GradientClient(_many(targets), micro_batch=8, timeout=30) as many:
+            connect_both(many, "gated", x, y)  # a micro-batch for each replica
             with ThreadPoolExecutor(1) as pool, gate.closed():
                 step = pool.submit(many.step, "gated", x, y, learning_rate=0.1, max_norm=1.0)
                 assert gate.entered.acquire(timeout=60), "no micro-batch reached the victim"
