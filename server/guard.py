@@ -36,8 +36,8 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   client longest, for EVICTABLE_AFTER_S at least (cancelled): callers that send nothing
   cannot lock out those that do; and a connection's calls to health Check and
   reflection hold half of the places at most (refused once their handler runs, before
-  their request is read), so one reopening its silent calls as fast as they are
-  evicted cannot keep every place young;
+  their request is read; until then each holds a place), so one connection's silent
+  calls cannot keep every place;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
   they then hold no thread and give their open-service place back.
 """
@@ -405,10 +405,9 @@ class CallGuard(grpc.ServerInterceptor):
 
     def _open_share(self, context: grpc.ServicerContext) -> None:
         """Hold one of the connection's share of the open services' places until the call
-        ends, or refuse the call at once: one connection reopening its silent calls as
-        fast as they are evicted cannot hold every place (calls to health and reflection
-        need no token, so their caller is their connection, known once the handler
-        runs)."""
+        ends, or refuse the call at once: one connection's silent calls cannot hold every
+        place (calls to health and reflection need no token, so their caller is their
+        connection, known once the handler runs)."""
         give_back = self._open_shares.try_take(context.peer())
         if give_back is None:
             context.abort(

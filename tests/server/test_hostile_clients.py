@@ -305,44 +305,6 @@ def test_silent_health_checks_lock_out_no_probe_and_no_other_call() -> None:
         running.stop(0)
 
 
-def _renewing(channel: grpc.Channel, method: str, count: int, stop: threading.Event) -> None:
-    """Keep `count` calls open that never send their request, opening a new one as soon
-    as the server ends one (refused, evicted), until `stop`."""
-    calls: list[grpc.Future] = []
-    while not stop.wait(0.02):
-        calls = [call for call in calls if not call.done()]
-        calls += [_idle_stream(channel, method, timeout=60) for _ in range(count - len(calls))]
-    for call in calls:
-        call.cancel()
-
-
-def test_silent_health_checks_renewed_as_they_end_lock_out_no_probe() -> None:
-    """One connection keeps 70 silent health Checks open, reopening each the moment it is
-    refused or evicted: it holds half of the open services' places, so every honest
-    probe, on a connection of its own, is answered (before: its own new calls evicted its
-    oldest, no place was ever old enough to give way, and most probes were refused)."""
-    running = _start(workers=2, max_queued_calls=4, stall_timeout_s=60)
-    stop = threading.Event()
-    try:
-        with (
-            grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as attacker,
-            grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as honest,
-        ):
-            renewing = threading.Thread(
-                target=_renewing, args=(attacker, HEALTH + "Check", 70, stop), daemon=True
-            )
-            renewing.start()
-            _until(running.metrics_port, "grpc_server_started_total", "Check", at_least=140)
-            statuses = [_check(honest, timeout=5) for _ in range(20)]
-            stop.set()
-            renewing.join(30)
-            assert not renewing.is_alive()
-    finally:
-        stop.set()
-        running.stop(0)
-    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 20
-
-
 def test_calls_that_never_send_their_request_hold_no_worker_from_honest_calls(
     tmp_path: Path,
 ) -> None:
