@@ -146,7 +146,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         served: ServedModel, header: pb.WeightsHeader, chunks: Iterator[pb.WeightsMessage]
     ) -> Snapshot:
         """Check the header, fill the tensors from the chunks, swap them in."""
-        served.weights.check_count(len(header.tensors))  # before any spec is decoded
+        served.weights.check_count(len(header.tensors))  # before 60,000 specs are decoded
         served.weights.check(
             [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
         )
