@@ -30,16 +30,18 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED, on the refusals'
   threads. gRPC's own limit (`maximum_concurrent_rpcs`) lies above the sum, so it never
   refuses a call the guard admitted, and no place needs to expire;
-- runs every call to an open service on a pool of its own, a thread per place: a caller
-  without a token cannot reach the workers, nor make a health check wait. An open call
-  arriving when every place is taken takes the place of the one that has waited on its
-  client longest, for EVICTABLE_AFTER_S at least (cancelled): callers that send nothing
-  cannot lock out those that do; and a connection's calls to health Check and
-  reflection hold half of the places at most (refused once their handler runs, before
-  their request is read; until then each holds a place), so one connection's silent
-  calls cannot keep every place;
+- runs every call to an open service on a pool of its own, a thread per place (health
+  Watches on one of theirs, with places of their own): a caller without a token cannot
+  reach the workers, nor make a health check wait, and watchers cannot take a health
+  check's place. An open call (or Watch) arriving when every place of its kind is taken
+  takes the place of the one that has waited on its client longest, for
+  EVICTABLE_AFTER_S at least (cancelled): callers that send nothing cannot lock out
+  those that do; and a connection's calls to health Check and reflection hold half of
+  the places at most (refused once their handler runs, before their request is read;
+  until then each holds a place), so one connection's silent calls cannot keep every
+  place;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
-  they then hold no thread and give their open-service place back.
+  they then hold no thread, only their Watch place until they end.
 """
 
 from __future__ import annotations
@@ -79,8 +81,7 @@ EVICTABLE_AFTER_S = 0.5
 # How often a call waiting for a worker's permit looks whether it has ended.
 PERMIT_POLL_S = 0.5
 # A connection's calls to health Check and reflection hold at most 1/OPEN_SHARE of the
-# open services' places (Watches, bounded by places of their own, hold one only while
-# their request is read, and are not counted: a client may open 16 at once).
+# open services' places (Watches have places of their own: a client may open 16 at once).
 OPEN_SHARE = 2
 
 
@@ -276,15 +277,19 @@ class CallGuard(grpc.ServerInterceptor):
         self._open = _Places(max_open_calls, evict=True)
         self._open_shares = _Shares(max(1, max_open_calls // OPEN_SHARE))
         self._open_streams = _Places(max_open_streams)
-        self._watches = _Places(max_watch_streams)
+        self._watches = _Places(max_watch_streams, evict=True)
         self.admitted_at_most = max_calls + max_open_calls + max_watch_streams
         self._open_pool = ThreadPoolExecutor(
             max_workers=max_open_calls, thread_name_prefix="pergrad-open"
         )
+        self._watch_pool = ThreadPoolExecutor(
+            max_workers=max_watch_streams, thread_name_prefix="pergrad-watch"
+        )
 
     def close(self) -> None:
         self._waits.stop()
-        self._open_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._open_pool, self._watch_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def intercept_service(
         self,
@@ -303,14 +308,12 @@ class CallGuard(grpc.ServerInterceptor):
         if non_blocking and handler.request_streaming:
             return handler  # none is served; it could not be read under the stall timer
         watch = non_blocking
-        kinds = [self._open if open_service else self._calls]
+        kinds = [self._watches if watch else self._open if open_service else self._calls]
         if not open_service:
             kinds += self._token_places(
                 self._caller_calls, self._per_caller_calls, handler_call_details
             )
-        if watch:
-            kinds.append(self._watches)
-        elif handler.request_streaming:
+        if handler.request_streaming and not watch:
             kinds.append(self._open_streams if open_service else self._streams)
             if not open_service:
                 kinds += self._token_places(
@@ -321,7 +324,7 @@ class CallGuard(grpc.ServerInterceptor):
             return refusal(declared_kind_of(handler), _refuse(open_service))
         guarded = self._guarded(behavior, method, handler, places, watch, open_service)
         if open_service:
-            guarded.experimental_thread_pool = self._open_pool
+            guarded.experimental_thread_pool = self._watch_pool if watch else self._open_pool
         if handler.request_streaming:
             return replaced(handler, guarded)
         return as_request_stream(handler, guarded, sized(handler.request_deserializer))
@@ -362,9 +365,9 @@ class CallGuard(grpc.ServerInterceptor):
         watch: bool,
         open_service: bool,
     ) -> Callable[..., Any]:
-        """The call's behaviour, holding its places until it ends (a Watch gives its
-        open-service place back once its request is read: then it holds no thread), and
-        a call to another open service one of its connection's share (`_open_share`)."""
+        """The call's behaviour, holding its places until it ends (a Watch holds no
+        thread once its request is read), and a call to another open service one of its
+        connection's share (`_open_share`)."""
         waiting = places[0] if open_service else None
         if watch:
 
@@ -374,7 +377,6 @@ class CallGuard(grpc.ServerInterceptor):
                 for place in places:
                     place.hold_until_done(context)
                 request = self._request(iterator, context, method, waiting).request
-                places[0].give_back()
                 return behavior(request, context, send)
 
             handle_watch.experimental_non_blocking = True

@@ -33,8 +33,9 @@ _LOGGER = logging.getLogger(__name__)
 # thread of their own pool (`CallGuard`), of which reflection streams.
 OPEN_CALLS = 16
 OPEN_STREAMS = 2
-# Health Watch streams open at once (they hold no thread once their request is read);
-# more are RESOURCE_EXHAUSTED, so watchers cannot crowd out other calls.
+# Health Watch streams open at once, on places and a pool of their own (they hold no
+# thread once their request is read); more are RESOURCE_EXHAUSTED, so watchers cannot
+# crowd out other calls, health Checks included.
 WATCH_STREAMS = 16
 # gRPC's own limit lies this far above the calls the guard admits: refusals, which end at
 # once on threads of their own, use it; gRPC refuses none of the guard's.

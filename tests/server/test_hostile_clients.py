@@ -152,6 +152,38 @@ def test_watch_streams_beyond_their_bound_are_refused_and_other_calls_go_on(guar
             watch.cancel()
 
 
+def test_watches_take_no_place_of_a_health_check() -> None:
+    """Watches have places of their own: with every Watch place held by one that never
+    sends its request, every health Check place can be taken too, and none of those calls
+    loses its place to the others (before: a Watch held a Check's place while its request
+    was read, so watchers opened in a burst left health checks RESOURCE_EXHAUSTED, or
+    evicted them). Each call ends by the stall timer alone."""
+    running = _start(stall_timeout_s=3)
+    port = running.metrics_port
+    try:
+        with contextlib.ExitStack() as stack:
+            connections = [
+                stack.enter_context(grpc.insecure_channel(_target(running), options=OWN_CONNECTION))
+                for _ in range(OPEN_SHARE + 1)
+            ]
+            watches = [_idle_stream(connections[0], HEALTH + "Watch") for _ in range(WATCH_STREAMS)]
+            _until(port, "grpc_server_started_total", "Watch", WATCH_STREAMS)
+            checks = [
+                _idle_stream(connection, HEALTH + "Check")
+                for connection in connections[1:]
+                for _ in range(OPEN_CALLS // OPEN_SHARE)
+            ]
+            _until(port, "grpc_server_started_total", "Check", OPEN_CALLS)
+            codes = [_code(call) for call in watches + checks]
+        assert codes == [grpc.StatusCode.CANCELLED] * len(codes)
+        exposition = scrape(port)
+    finally:
+        running.stop(0)
+    for name, count in [("Watch", WATCH_STREAMS), ("Check", OPEN_CALLS)]:
+        stalled = sample_value(exposition, "pergrad_stalled_calls_total", method=HEALTH + name)
+        assert stalled == count, f"{name}: {stalled} of {count} ended by the stall timer"
+
+
 def _watch_once_admitted(stub: health_pb2_grpc.HealthStub) -> tuple[grpc.Future, Any]:
     """A Watch and its first reply, asked again while it is refused RESOURCE_EXHAUSTED
     (for up to 30 s)."""
@@ -202,14 +234,14 @@ def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers(
                     )
                     for _ in range(OPEN_SHARE)
                 ]
-                names = ["Check", "Watch"] * (OPEN_CALLS // OPEN_SHARE // 2)
                 probes = [
-                    _idle_stream(connection, HEALTH + name, timeout=60)
+                    _idle_stream(connection, HEALTH + "Check", timeout=60)
                     for connection in connections
-                    for name in names
+                    for _ in range(OPEN_CALLS // OPEN_SHARE)
                 ]
-                for name in ("Check", "Watch"):
-                    _until(running.metrics_port, "grpc_server_started_total", name, OPEN_CALLS // 2)
+                probes += [_idle_stream(channel, HEALTH + "Watch", timeout=60) for _ in range(4)]
+                _until(running.metrics_port, "grpc_server_started_total", "Check", OPEN_CALLS)
+                _until(running.metrics_port, "grpc_server_started_total", "Watch", 4)
                 time.sleep(EVICTABLE_AFTER_S)  # they hold every place, and may now lose one
                 assert _check(channel) == health_pb2.HealthCheckResponse.SERVING
                 codes = [_code(call) for call in probes]
