@@ -3,10 +3,11 @@
 One `pergrad serve` with its default flags (every built-in model, XLA where it helps) and
 three tokens: the honest client's, another writer's (the careless one of rows 10 and 13)
 and a reader's (`:ro`, every other attack that needs a token). For each attack, in
-the order of the issue's table: the honest probes with the server idle, then again while
-the attack runs in a process of its own (its Python shares nothing with the honest
-client's), then the attack is killed and the server left a moment to let go of it. Every
-round times each probe once:
+the order of the issue's table (row 0 is no attack: a flood of calls that are answered,
+the reference for the floods of refused ones): the honest probes with the server idle,
+then again while the attack runs in a process of its own (its Python shares nothing
+with the honest client's), then the attack is killed and the server left a moment to
+let go of it. Every round times each probe once:
 
   check         a health Check (what Kubernetes' probes call)
   list          ListModels
@@ -130,6 +131,14 @@ def _gradients(model: str, x: np.ndarray, y: np.ndarray, **fields: Any) -> bytes
         else:
             setattr(request, name, value)
     return request.SerializeToString()
+
+
+def answered_health_checks(target: str, metrics_url: str, stop: threading.Event) -> None:
+    """Row 0, no attack but a reference for the floods below: 4 callers of health Check
+    in tight loops, each call answered; what any flood of cheap calls from a process on
+    the same cores costs an honest client."""
+    check = grpc.insecure_channel(target).unary_unary(HEALTH + "Check")
+    _in_loops(4, lambda: check(b"", timeout=PROBE_TIMEOUT_S), stop)
 
 
 def silent_health_checks(target: str, metrics_url: str, stop: threading.Event) -> None:
@@ -275,6 +284,7 @@ def watches_cancelled_as_they_open(target: str, metrics_url: str, stop: threadin
 
 
 ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
+    0: ("reference: 4 callers of health Check in tight loops, answered", answered_health_checks),
     1: ("70 health Checks that never send their request, no token", silent_health_checks),
     2: ("24 gradients calls of a reader that never send their request", silent_gradients_calls),
     3: ("a reader holds 4 idle gradient streams", reader_takes_stream_places),
