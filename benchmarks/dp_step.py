@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport import pergrad_server
 
 from pergrad.client import GradientClient
+from pergrad.server.engine.cores import one_blas_thread
 
 BATCH = 256
 LR = 0.1
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     args = parser.parse_args()
+    one_blas_thread()  # the in-process engine as `pergrad serve` runs it
     print(
         f"| model (B={BATCH}) | TF step ms | server step ms | ratio | get/set step ms | ratio "
         "| its clipped_sum ms | its set_weights ms | engine clipped_sum ms |"

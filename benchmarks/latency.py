@@ -55,6 +55,7 @@ from pergrad.client.local import LocalServer
 from pergrad.server.admission import Admission
 from pergrad.server.coalescer import Coalescer, granule_for
 from pergrad.server.config import Config
+from pergrad.server.engine.cores import one_blas_thread
 from pergrad.server.engine.engine import Engine
 from pergrad.server.engine.group import Job
 from pergrad.server.gradients import Settings, Work, prepare, responses
@@ -299,6 +300,7 @@ def main() -> None:
     if args.echo_server:
         serve_echo()
         return
+    one_blas_thread()  # the in-process engine as `pergrad serve` runs it
     registry = build_registry(Config(models=tuple(args.models), jit_compile="off"))
     echo, echo_target = spawn(str(Path(__file__).resolve()), "--echo-server")
     rows = []

@@ -45,11 +45,13 @@ def serve(argv: Sequence[str]) -> int:
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     limit_arenas()
+    from pergrad.server.engine.cores import one_blas_thread
     from pergrad.server.main import configure_devices, start
     from pergrad.server.models.keras_file import ModelLoadError
 
     try:
         configure_devices()
+        one_blas_thread()
         running = start(config)
     except (ConfigError, ModelLoadError, OSError) as err:
         return _refused(err)

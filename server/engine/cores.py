@@ -5,10 +5,16 @@ one would take (for work large enough to pay for handing it over)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from threadpoolctl import threadpool_limits
+
+_LOGGER = logging.getLogger(__name__)
+# Set, they choose how many threads numpy's BLAS runs on.
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 CORES = max(1, min(os.cpu_count() or 1, 4))
 _POOL = ThreadPoolExecutor(max_workers=CORES, thread_name_prefix="pergrad-cores")
 
@@ -30,3 +36,15 @@ def on_cores(count: int, fill: Callable[[slice], None], *, serial: bool, align: 
         return
     for future in [_POOL.submit(fill, piece) for piece in pieces]:
         future.result()
+
+
+def one_blas_thread() -> None:
+    """numpy's BLAS on its calling thread alone, for the whole process, unless the
+    operator chose (BLAS_THREAD_VARIABLES): OpenBLAS's workers spin for ~0.1 s after each
+    call, so every small reduction of a shared pass left a core busy for 100 ms, taken
+    from TensorFlow and every other call; numpy work worth splitting is split by
+    `on_cores`."""
+    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
+        return
+    threadpool_limits(1, user_api="blas")
+    _LOGGER.info("numpy's BLAS on one thread (set OPENBLAS_NUM_THREADS to choose)")

@@ -1,11 +1,13 @@
-"""Work split over cores: parts cover the range once, in order, aligned."""
+"""Work split over cores: parts cover the range once, in order, aligned; numpy's BLAS on one
+thread unless the operator chose."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
 
-from pergrad.server.engine.cores import on_cores, parts
+from pergrad.server.engine.cores import BLAS_THREAD_VARIABLES, on_cores, one_blas_thread, parts
 
 
 @pytest.mark.parametrize(
@@ -26,3 +28,22 @@ def test_every_part_is_filled_whether_serial_or_not(serial: bool) -> None:
 
     on_cores(len(out), fill, serial=serial)
     np.testing.assert_array_equal(out, np.arange(1001))
+
+
+def _blas_threads() -> set[int]:
+    return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
+
+
+def test_one_blas_thread_leaves_numpy_blas_on_one_thread(monkeypatch) -> None:
+    for name in BLAS_THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with threadpool_limits(2, user_api="blas"):  # and as it was, after
+        one_blas_thread()
+        assert _blas_threads() == {1}
+
+
+def test_an_operators_choice_of_blas_threads_stands(monkeypatch) -> None:
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    with threadpool_limits(2, user_api="blas"):
+        one_blas_thread()
+        assert _blas_threads() == {2}
