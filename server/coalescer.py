@@ -54,6 +54,7 @@ class _Pending:
     job: Job
     snapshot: Snapshot
     caller: str
+    wake: threading.Condition  # on the coalescer's lock: this request's turn, or answer
     rows: Rows | None = None
     error: Exception | None = None
     taken: bool = False
@@ -88,14 +89,15 @@ class Coalescer:
         self._engine = engine
         self._window_s = window_s
         self._on_pass = on_pass
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # nothing waiting or running: close()
         self._waiting: list[_Pending] = []  # arrival order
         self._lanes = 0  # shared passes running
         self._running: set[str] = set()  # callers with a request in one of them
         self._served: dict[str, int] = {}  # caller -> the pass that last served it
         self._passes = itertools.count(1)
         self._arrivals = itertools.count()
-        self._gathering = False
+        self._gatherer: _Pending | None = None  # the leader gathering its pass
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -122,7 +124,8 @@ class Coalescer:
     def compute(self, job: Job, snapshot: Snapshot, caller: str = "") -> GradientResult:
         """The job's result (its sink's), its rows computed in a shared pass, then reduced
         here, on the caller's thread, beside the other callers; its errors raised here."""
-        pending = _Pending(job, snapshot, caller, order=next(self._arrivals))
+        wake = threading.Condition(self._lock)
+        pending = _Pending(job, snapshot, caller, wake, order=next(self._arrivals))
         group = self._wait_or_lead(pending)
         if group:
             self._run(group)
@@ -133,24 +136,41 @@ class Coalescer:
 
     def close(self) -> None:
         """Wait for the requests already waiting or running to be answered."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._waiting and not self._lanes)
+        with self._idle:
+            self._idle.wait_for(lambda: not self._waiting and not self._lanes)
 
     def _wait_or_lead(self, pending: _Pending) -> list[_Pending]:
-        """[] once another pass has answered `pending`; else the group `pending` leads."""
-        with self._changed:
+        """[] once another pass has answered `pending`; else the group `pending` leads.
+        It sleeps until woken for its turn (`_wake_next`) or its answer (`_answer`), and
+        every POLL_S to look whether its call has ended."""
+        with self._lock:
             self._waiting.append(pending)
-            self._changed.notify_all()
+            self._wake_next()
             while not pending.done:
                 if not pending.taken and self._may_lead(pending):
                     return self._gather(pending)
-                self._changed.wait(POLL_S)
+                pending.wake.wait(POLL_S)
                 if not pending.taken and not pending.done and self._ended(pending):
                     self._waiting.remove(pending)
                     self._forget_if_idle(pending.caller)
-                    self._changed.notify_all()  # another may lead now, or close() end
+                    self._wake_next()  # another may lead now
+                    self._idle.notify_all()
                     raise Cancelled("call cancelled or past its deadline before its pass")
             return []
+
+    def _wake_next(self) -> None:
+        """Wake the one request whose turn it may be (called locked): the leader gathering
+        its pass (a request that may join it came), else, with a lane free, the next to
+        lead. The others sleep on: waking every waiting thread at every change cost
+        16 clients' calls 85 context switches each against 53 without coalescing."""
+        if self._gatherer is not None:
+            self._gatherer.wake.notify()
+            return
+        if self._lanes >= LANES:
+            return
+        ready = [p for p in self._waiting if p.caller not in self._running]
+        if ready:
+            min(ready, key=self._turn).wake.notify()
 
     @staticmethod
     def _ended(pending: _Pending) -> bool:
@@ -160,7 +180,7 @@ class Coalescer:
     def _may_lead(self, pending: _Pending) -> bool:
         """Whether a lane is free and `pending` is the next to lead: of the requests whose
         callers have no pass running, the least recently served caller's first."""
-        if self._gathering or self._lanes >= LANES:
+        if self._gatherer is not None or self._lanes >= LANES:
             return False
         ready = [p for p in self._waiting if p.caller not in self._running]
         return bool(ready) and min(ready, key=self._turn) is pending
@@ -171,12 +191,12 @@ class Coalescer:
     def _gather(self, leader: _Pending) -> list[_Pending]:
         """The leader's pass: the waiting requests of callers with no pass running, within
         the window, least recently served caller first (called and returning locked)."""
-        self._gathering = True
+        self._gatherer = leader
         deadline = time.monotonic() + self._window_s
         while (remaining := deadline - time.monotonic()) > 0 and self._room(leader) > 0:
-            self._changed.wait(remaining)
+            leader.wake.wait(remaining)
         group = self._fair_pick(leader)
-        self._gathering = False
+        self._gatherer = None
         number = next(self._passes)
         self._lanes += 1
         for pending in group:
@@ -184,7 +204,7 @@ class Coalescer:
             self._waiting.remove(pending)
             self._running.add(pending.caller)
             self._served[pending.caller] = number
-        self._changed.notify_all()
+        self._wake_next()  # a lane may be free for another caller's pass
         return group
 
     def _eligible(self, leader: _Pending) -> list[_Pending]:
@@ -237,7 +257,7 @@ class Coalescer:
     def _answer(self, group: list[_Pending], outcomes: list[Rows | Exception]) -> None:
         """Give each request its outcome (an error where there is none: the pass ended
         abnormally) and the lane back."""
-        with self._changed:
+        with self._lock:
             for index, pending in enumerate(group):
                 outcome = outcomes[index] if index < len(outcomes) else None
                 if isinstance(outcome, Rows):
@@ -245,11 +265,13 @@ class Coalescer:
                 else:
                     pending.error = outcome or Cancelled("the shared pass ended abnormally")
                 pending.done = True
+                pending.wake.notify()
                 self._running.discard(pending.caller)
             self._lanes -= 1
             for pending in group:
                 self._forget_if_idle(pending.caller)
-            self._changed.notify_all()
+            self._wake_next()
+            self._idle.notify_all()
 
     def _forget_if_idle(self, caller: str) -> None:
         """Drop what is kept of a caller with nothing waiting or running (callers come
