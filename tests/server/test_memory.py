@@ -1,13 +1,16 @@
 """server/memory.py's arena limit, seen in glibc's own account of its heaps
-(`malloc_info`) after eight threads allocate at once, in a process of its own."""
+(`malloc_info`) after eight threads allocate at once, in a process of its own; and when
+the heaps are trimmed, seen by a trimmer given a trim that records its calls."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
+import time
 
-from pergrad.server.memory import ARENAS
+from pergrad.server.memory import ARENAS, IDLE_S, _Trimmer
 
 _HEAPS_AFTER_EIGHT_THREADS = """
 import ctypes, ctypes.util, sys, tempfile, threading
@@ -61,3 +64,53 @@ def test_limit_arenas_keeps_eight_threads_to_its_arenas() -> None:
 
 def test_an_operators_malloc_arena_max_wins() -> None:
     assert _heaps("limit", MALLOC_ARENA_MAX=str(ARENAS + 1)) == ARENAS + 1
+
+
+class _Trims:
+    """A trim function recording when it was called."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.called = threading.Event()
+
+    def __call__(self, pad: int) -> int:
+        self.times.append(time.monotonic())
+        self.called.set()
+        return 1
+
+
+def test_the_heaps_are_trimmed_once_idle_s_after_the_last_call_ends() -> None:
+    trims = _Trims()
+    trimmer = _Trimmer(trims)
+    for _ in range(3):  # a steady stream of calls, then none
+        trimmer.started()
+        trimmer.ended()
+    ended = time.monotonic()
+    assert trims.called.wait(30)
+    time.sleep(3 * IDLE_S)
+    assert len(trims.times) == 1
+    assert trims.times[0] - ended >= IDLE_S
+
+
+def test_no_trim_while_a_call_runs_and_one_after_it_ends() -> None:
+    trims = _Trims()
+    trimmer = _Trimmer(trims)
+    trimmer.started()
+    trimmer.started()
+    trimmer.ended()
+    assert not trims.called.wait(4 * IDLE_S)
+    trimmer.ended()
+    assert trims.called.wait(30)
+
+
+def test_calls_after_a_trim_are_trimmed_after_again() -> None:
+    trims = _Trims()
+    trimmer = _Trimmer(trims)
+    trimmer.started()
+    trimmer.ended()
+    assert trims.called.wait(30)
+    trims.called.clear()
+    trimmer.started()
+    trimmer.ended()
+    assert trims.called.wait(30)
+    assert len(trims.times) == 2
