@@ -25,8 +25,8 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   worker), of which `max_streams` request streams (StreamPerExampleGradients,
   SetWeights), `per_caller_streams` per token where the server has tokens, and of all
   those, `per_caller_calls` per token (so one token cannot fill the queue);
-  `max_open_calls` calls to the open services (health, reflection), of
-  which `max_open_streams` reflection streams; `max_watch_streams` health Watch streams.
+  `max_open_calls` calls to health Check and reflection, of which
+  `max_open_streams` reflection streams; `max_watch_streams` health Watch streams.
   Beyond a limit a call is refused at once with RESOURCE_EXHAUSTED, on the refusals'
   threads. gRPC's own limit (`maximum_concurrent_rpcs`) lies above the sum, so it never
   refuses a call the guard admitted, and no place needs to expire;

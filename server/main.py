@@ -29,8 +29,8 @@ from pergrad.server.training import make_optimizer
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
-# Calls to the open services (health, reflection; no token needed) at once, each on a
-# thread of their own pool (`CallGuard`), of which reflection streams.
+# Calls to health Check and reflection (no token needed) at once, each on a thread of
+# their own pool (`CallGuard`), of which reflection streams.
 OPEN_CALLS = 16
 OPEN_STREAMS = 2
 # Health Watch streams open at once, on places and a pool of their own (they hold no

@@ -4,6 +4,7 @@ same to the bit as the request's result alone, right by the batch-size-1 loop.""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
+from pergrad.server import coalescer as coalescer_module
 from pergrad.server.coalescer import Coalescer, granule_for
 from pergrad.server.engine import Engine
 from pergrad.server.engine.group import Job
@@ -191,6 +193,35 @@ def test_requests_for_different_weights_share_no_pass(engine) -> None:
     assert not np.array_equal(alone[0].norms, alone[1].norms)
     for got, want in zip(together, alone, strict=True):
         _assert_identical(got, want)
+
+
+def test_every_waiting_request_is_woken_for_its_turn(engine, monkeypatch) -> None:
+    """3 callers with 4 requests each at once, over the two lanes: each request is woken
+    when it may lead or is answered, never left to its poll (made a minute long here)."""
+    monkeypatch.setattr(coalescer_module, "POLL_S", 60.0)
+    snapshot = WeightsStore(engine.variables, engine.initial_weights()).current
+    coalescer = Coalescer(engine, window_s=0.0, granule=GRANULE)
+    x, y = batch_for((784,), 10, 4)
+    results: list[GradientResult] = []
+
+    def request(caller: str) -> None:
+        job = Job(engine.batch(x, y), engine.sink(4, reduction="norms"))
+        results.append(coalescer.compute(job, snapshot, caller))
+
+    threads = [
+        threading.Thread(target=request, args=(caller,), daemon=True)
+        for caller in "abc"
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 20
+    try:
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert len(results) == len(threads)
+    finally:
+        coalescer.close()
 
 
 def test_a_pass_is_the_largest_power_of_two_within_the_flag_and_the_slice(engine) -> None:

@@ -184,6 +184,33 @@ def test_watches_take_no_place_of_a_health_check() -> None:
         assert stalled == count, f"{name}: {stalled} of {count} ended by the stall timer"
 
 
+def test_a_watch_takes_the_place_of_the_one_silent_longest() -> None:
+    """With every Watch place held by Watches that never send their request, a new Watch
+    is admitted in place of one of them (cancelled, not stalled), once it has waited
+    EVICTABLE_AFTER_S: silent watchers cannot lock out a real one."""
+    running = _start(stall_timeout_s=60)
+    port = running.metrics_port
+    try:
+        with grpc.insecure_channel(_target(running)) as channel:
+            silent = [_idle_stream(channel, HEALTH + "Watch") for _ in range(WATCH_STREAMS)]
+            _until(port, "grpc_server_started_total", "Watch", WATCH_STREAMS)
+            time.sleep(EVICTABLE_AFTER_S)
+            watch, first = _watch_once_admitted(health_pb2_grpc.HealthStub(channel))
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+            deadline = time.monotonic() + 30
+            while not any(call.done() for call in silent) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ended = [call for call in silent if call.done()]
+            assert [_code(call) for call in ended] == [grpc.StatusCode.CANCELLED]
+            for call in silent:
+                call.cancel()
+        exposition = scrape(port)
+    finally:
+        running.stop(0)
+    assert not sample_value(exposition, "pergrad_stalled_calls_total", method=HEALTH + "Watch")
+
+
 def _watch_once_admitted(stub: health_pb2_grpc.HealthStub) -> tuple[grpc.Future, Any]:
     """A Watch and its first reply, asked again while it is refused RESOURCE_EXHAUSTED
     (for up to 30 s)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from pergrad.server.engine.cores import on_cores
 from pergrad.server.engine.grads import Grad, Outer, Scatter
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import blocks, examples
@@ -101,11 +102,17 @@ class Project:
         self, out: np.ndarray, per_row: int, features: Callable[[slice], np.ndarray]
     ) -> np.ndarray:
         """out[:, rows] += features(rows) for blocks of rows of about BLOCK_BYTES each,
-        where one row of R costs `per_row` floats of working memory."""
+        where one row of R costs `per_row` floats of working memory; each block's rows
+        split over the cores (numpy's BLAS runs on one thread: `one_blas_thread`)."""
         step = max(1, BLOCK_BYTES // (4 * per_row))
         for start in range(0, self._dim, step):
-            rows = slice(start, min(start + step, self._dim))
-            out[:, rows] += features(rows)
+            block = min(step, self._dim - start)
+
+            def fill(part: slice, start: int = start) -> None:
+                rows = slice(start + part.start, start + part.stop)
+                out[:, rows] += features(rows)
+
+            on_cores(block, fill, serial=block < 2)
         return out
 
     def _project(self, variable: Selected, grad: Grad) -> np.ndarray:
@@ -113,6 +120,7 @@ class Project:
         if len(variable.shape) != 2:
             flat = np.concatenate(list(blocks(grad, variable.shape, variable.dtype)))
             columns = flat.shape[1]
+            self._rows(variable, 0, columns, slice(0, 0))  # see below
             return self._by_row_blocks(
                 out, columns, lambda rows: flat @ self._rows(variable, 0, columns, rows).T
             )
@@ -123,6 +131,9 @@ class Project:
 
         def w(rows: slice) -> np.ndarray:
             return self._rows(variable, 1, outputs, rows)
+
+        u(slice(0, 0))  # a matrix the cache keeps is made once, on every core, before
+        w(slice(0, 0))  # the blocks' rows split over the cores
 
         if isinstance(grad, Outer):
             steps = grad.a.shape[0] * grad.a.shape[1]

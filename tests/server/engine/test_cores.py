@@ -3,6 +3,8 @@ thread unless the operator chose."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
@@ -47,3 +49,23 @@ def test_an_operators_choice_of_blas_threads_stands(monkeypatch) -> None:
     with threadpool_limits(2, user_api="blas"):
         one_blas_thread()
         assert _blas_threads() == {2}
+
+
+def test_work_split_from_a_cores_thread_runs_there_and_ends() -> None:
+    """A part that splits work of its own (a projection's rows, made by a Gaussian stream)
+    runs it on its own thread: parts handed to the pool from every pool thread would wait
+    for one another forever."""
+    out = np.zeros(4000)
+
+    def outer(part: slice) -> None:
+        def inner(sub: slice) -> None:
+            out[part.start + sub.start : part.start + sub.stop] += 1
+
+        on_cores(part.stop - part.start, inner, serial=False)
+
+    done = threading.Event()
+    threading.Thread(
+        target=lambda: (on_cores(len(out), outer, serial=False), done.set()), daemon=True
+    ).start()
+    assert done.wait(30), "the split work never ended"
+    assert (out == 1).all()
