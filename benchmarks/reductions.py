@@ -41,6 +41,7 @@ from harness import (
 from pergrad.client import GradientClient
 from pergrad.client.local import LocalServer
 from pergrad.server.engine import Engine
+from pergrad.server.engine.cores import one_blas_thread
 from pergrad.server.engine.reference import References
 
 WORKLOADS = ["mnist_cnn", "wide_mlp", "transformer_block"]
@@ -162,6 +163,7 @@ def main() -> None:
     parser.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--child-time", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    one_blas_thread()  # the engine as `pergrad serve` runs it
     if args.child_memory:
         child_memory(args.child_memory[0], args.child_memory[1], int(args.child_memory[2]))
         return

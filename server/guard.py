@@ -313,7 +313,7 @@ class CallGuard(grpc.ServerInterceptor):
             kinds += self._token_places(
                 self._caller_calls, self._per_caller_calls, handler_call_details
             )
-        if handler.request_streaming and not watch:
+        if handler.request_streaming:  # a Watch is not: it returned above otherwise
             kinds.append(self._open_streams if open_service else self._streams)
             if not open_service:
                 kinds += self._token_places(

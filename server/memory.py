@@ -97,7 +97,8 @@ class _Trimmer:
             self._calls -= 1
             self._last_end = time.monotonic()
             wake = self._asleep and self._calls == 0
-            self._asleep = self._asleep and not wake
+            if wake:
+                self._asleep = False
         if wake:
             self._ended.set()
 

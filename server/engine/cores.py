@@ -53,8 +53,7 @@ def one_blas_thread() -> None:
     call, so every small reduction of a shared pass left a core busy for 100 ms, taken
     from TensorFlow and every other call. Projections split their products over the cores
     themselves (`on_cores`); the other reductions' products (`dot`, clipped sums) run on
-    one core, measured no slower here (wide_mlp, B=256, 2 cores: `dot` 432 ms against
-    476 with two BLAS threads, `clipped_sum` 31 against 40; a projection 94 against 95)."""
+    one core (`benchmarks/reductions.py` with and without OPENBLAS_NUM_THREADS=2)."""
     if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
         return
     threadpool_limits(1, user_api="blas")

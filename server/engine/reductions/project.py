@@ -87,10 +87,17 @@ class Project:
         self._cache = cache
         self._parts: list[np.ndarray] = []
 
+    def _key(self, variable: Selected, stream: int, columns: int) -> MatrixKey:
+        return self._seed, variable.index, stream, self._kind, self._dim, columns
+
+    def _made_first(self, variable: Selected, stream: int, columns: int) -> None:
+        """Make the whole matrix now, on every core, if the cache keeps it: the blocks'
+        rows split over the cores (`_by_row_blocks`) would each make it on one."""
+        self._cache.get(self._key(variable, stream, columns))
+
     def _rows(self, variable: Selected, stream: int, columns: int, rows: slice) -> np.ndarray:
         """Rows of the [dim, columns] matrix of `variable`'s `stream`."""
-        key = (self._seed, variable.index, stream, self._kind, self._dim, columns)
-        whole = self._cache.get(key)
+        whole = self._cache.get(self._key(variable, stream, columns))
         if whole is not None:
             return whole[rows]
         span = range(rows.start, rows.stop)
@@ -120,7 +127,7 @@ class Project:
         if len(variable.shape) != 2:
             flat = np.concatenate(list(blocks(grad, variable.shape, variable.dtype)))
             columns = flat.shape[1]
-            self._rows(variable, 0, columns, slice(0, 0))  # see below
+            self._made_first(variable, 0, columns)
             return self._by_row_blocks(
                 out, columns, lambda rows: flat @ self._rows(variable, 0, columns, rows).T
             )
@@ -132,8 +139,8 @@ class Project:
         def w(rows: slice) -> np.ndarray:
             return self._rows(variable, 1, outputs, rows)
 
-        u(slice(0, 0))  # a matrix the cache keeps is made once, on every core, before
-        w(slice(0, 0))  # the blocks' rows split over the cores
+        self._made_first(variable, 0, inputs)
+        self._made_first(variable, 1, outputs)
 
         if isinstance(grad, Outer):
             steps = grad.a.shape[0] * grad.a.shape[1]
