@@ -35,6 +35,7 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
+from pergrad.wire.fields import field_bytes
 from pergrad.wire.rpc import SERVICE
 
 _LOGGER = logging.getLogger(__name__)
@@ -46,6 +47,25 @@ def _batched_spec(
     """Spec with -1 for the batch and for any per-example dimension of free size."""
     dims = [-1, *(-1 if d is None else d for d in shape)]
     return tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=dims)
+
+
+def _largest_header(registry: ModelRegistry) -> int:
+    """Twice the bytes of the largest WeightsHeader a served model takes, every field at
+    its widest, and 4 KiB: room for shapes sent unpacked and fields a newer client sets."""
+    sizes = [
+        pb.WeightsHeader(
+            model=name,
+            model_version=-1,
+            new_version=-1,
+            weights_id="0" * 32,
+            tensors=[
+                tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
+                for v in registry.get(name).engine.variables
+            ],
+        ).ByteSize()
+        for name in registry.names
+    ]
+    return 2 * max(sizes, default=0) + 4096
 
 
 class GradientServicer(pb_grpc.GradientServiceServicer):
@@ -65,6 +85,19 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
         self._settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
+        self._max_header_bytes = _largest_header(registry)
+
+    def oversized_header(self, data: bytes) -> str | None:
+        """Why a SetWeights message is refused unparsed: a header larger than any served
+        model's could be (parsing 60,000 specs would hold the GIL 5 ms to refuse them)."""
+        size = field_bytes(data, pb.WeightsMessage.HEADER_FIELD_NUMBER)
+        if size <= self._max_header_bytes:
+            return None
+        return (
+            f"a header of {size} bytes; no served model's takes over "
+            f"{self._max_header_bytes} (one TensorSpec per trainable variable: GetModelInfo "
+            "lists them)"
+        )
 
     @status
     def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -238,11 +271,15 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
 def add_to_server(servicer: GradientServicer, server: grpc.Server) -> None:
     """Register the servicer like the generated `add_GradientServiceServicer_to_server`,
     except that responses may be pre-encoded bytes (`pergrad.wire.chunks`) and malformed
-    requests reach the handler (`MalformedRequest`)."""
+    requests reach the handler (`MalformedRequest`), as do oversized weights headers,
+    refused before they are parsed."""
+    refusals = {"SetWeights": servicer.oversized_header}
     handlers = {
         method.name: kind(method.client_streaming, method.server_streaming).factory(
             getattr(servicer, method.name),
-            request_deserializer=parser(getattr(pb, method.input_type.name)),
+            request_deserializer=parser(
+                getattr(pb, method.input_type.name), refusals.get(method.name)
+            ),
             response_serializer=serialize,
         )
         for method in SERVICE.methods

@@ -45,7 +45,8 @@ def bounded(message: str) -> str:
 
 @dataclass(frozen=True)
 class MalformedRequest:
-    """A request whose bytes are not a valid protobuf message of its type."""
+    """A request whose bytes are not a valid protobuf message of its type, or were
+    refused before parsing (`parser`)."""
 
     error: str
 
@@ -77,11 +78,17 @@ def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
     return _REQUEST_BYTES.get(context) or request.ByteSize()
 
 
-def parser(message_class: type) -> Callable[[bytes], Any]:
+def parser(
+    message_class: type, refuse: Callable[[bytes], str | None] | None = None
+) -> Callable[[bytes], Any]:
     """Deserializer that hands malformed bytes to the handler instead of failing in gRPC,
-    which would answer INTERNAL; the handler answers INVALID_ARGUMENT."""
+    which would answer INTERNAL; the handler answers INVALID_ARGUMENT. `refuse`, if
+    given, looks at the bytes first: a reason it gives refuses them unparsed."""
 
     def parse(data: bytes) -> Any:
+        reason = refuse(data) if refuse else None
+        if reason:
+            return MalformedRequest(f"{message_class.__name__}: {reason}")
         try:
             return message_class.FromString(data)
         except DecodeError as err:

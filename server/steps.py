@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pergrad.server.admission import Admission
-from pergrad.server.errors import Cancelled, InvalidArgument
+from pergrad.server.errors import Cancelled, InvalidArgument, quoted
 from pergrad.server.gradients import Settings, prepare, reduced
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.weights import Snapshot
@@ -120,7 +120,7 @@ def _given_sum(
     """The sum a caller gives: float32 (whatever the variables' dtypes), one tensor of
     each variable's shape."""
     arrays = {
-        name: decode_tensor(tensor, what=f"gradient_sum[{name!r}]")
+        name: decode_tensor(tensor, what=f"gradient_sum[{quoted(name)}]")
         for name, tensor in tensors.items()
     }
     wrong = sorted(name for name, a in arrays.items() if a.dtype != np.float32)

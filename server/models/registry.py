@@ -13,7 +13,7 @@ import keras
 from pergrad.server.config import Config, OptimizerSpec, parse_optimizer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
-from pergrad.server.errors import NotFound
+from pergrad.server.errors import NotFound, quoted
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.training import Trainer
@@ -82,4 +82,4 @@ class ModelRegistry:
         try:
             return self._models[name]
         except KeyError:
-            raise NotFound(f"model {name!r} not found; served models: {self.names}") from None
+            raise NotFound(f"model {quoted(name)} not found; served models: {self.names}") from None

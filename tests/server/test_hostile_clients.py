@@ -930,30 +930,61 @@ def test_cancelled_streams_are_counted_cancelled_not_internal(fresh_server, capl
     assert "internal error" not in caplog.text
 
 
-def test_a_header_declaring_60000_tensors_is_refused_at_once(fresh_client) -> None:
-    """Refused on their count before any name is read (reading them cost 0.2 s of the
-    server's Python a call), with a message naming the model's variables:
-    INVALID_ARGUMENT (not a trailer too large for gRPC), and updates go on."""
-    header = pb.WeightsHeader(
-        model="mnist_mlp",
-        tensors=[tensor_pb2.TensorSpec(name=f"t{i}", dtype=1, shape=[1]) for i in range(60000)],
-    )
+def _header_naming(names: list[str]) -> pb.WeightsHeader:
+    specs = [tensor_pb2.TensorSpec(name=name, dtype=1, shape=[1]) for name in names]
+    return pb.WeightsHeader(model="mnist_mlp", tensors=specs)
+
+
+def _refusal_of(client: GradientClient, header: pb.WeightsHeader) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as err:
-        fresh_client._stub.SetWeights(iter([pb.WeightsMessage(header=header)]), timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "weights name 60000 tensors" in err.value.details()
-    assert "logits/bias" in err.value.details() and len(err.value.details()) <= 1100
+        client._stub.SetWeights(iter([pb.WeightsMessage(header=header)]), timeout=30)
+    return err.value
+
+
+def test_a_header_declaring_60000_tensors_is_refused_unparsed(fresh_client) -> None:
+    """Refused on its size before it is parsed (parsing its 60,000 specs held the GIL
+    5 ms), INVALID_ARGUMENT with a message saying what fits, and updates go on."""
+    header = _header_naming([f"t{i}" for i in range(60000)])
+    err = _refusal_of(fresh_client, header)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"a header of {header.ByteSize()} bytes; no served model's takes over" in (
+        err.details()
+    )
     _, weights = fresh_client.get_weights("mnist_mlp")
     assert fresh_client.set_weights("mnist_mlp", weights) == 2
 
 
+def test_a_header_naming_more_tensors_than_variables_is_refused_on_their_count(
+    fresh_client,
+) -> None:
+    """A header small enough to parse is refused on its count before any name is read,
+    with a message naming the model's variables."""
+    err = _refusal_of(fresh_client, _header_naming([f"t{i}" for i in range(100)]))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "weights name 100 tensors" in err.details()
+    assert "logits/bias" in err.details() and len(err.details()) <= 1100
+
+
+def test_error_messages_longer_than_a_trailer_allows_are_cut_short(fresh_client) -> None:
+    """Four unknown names of 300 characters, quoted whole: INVALID_ARGUMENT with the
+    message cut (not a trailer over gRPC's 8 KiB, which the client would see as
+    RESOURCE_EXHAUSTED)."""
+    names = [f"{i}" * 300 for i in range(4)]
+    err = _refusal_of(fresh_client, _header_naming(names))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "weights must name every trainable variable once" in err.details()
+    assert "more characters" in err.details() and len(err.details()) <= 1100
+
+
 def test_error_messages_quoting_huge_input_are_cut_short(client: GradientClient) -> None:
-    """A 1 MB model name: NOT_FOUND with a message of bounded length."""
+    """A 1 MB model name: NOT_FOUND with a message quoting its start and saying its
+    length (quoting it whole took 4 ms of the server's GIL)."""
     x, y = batch_for((784,), 10, 2)
     with pytest.raises(PergradError) as err:
         client.per_example_gradients("m" * (1 << 20), x, y)
     assert err.value.code == grpc.StatusCode.NOT_FOUND
-    assert len(err.value.message) <= 1100 and "more characters" in err.value.message
+    assert f"{'m' * 100!r}... ({1 << 20} characters)" in err.value.message
+    assert len(err.value.message) <= 400
 
 
 SLEEP_PER_EXAMPLE_S = 0.005

@@ -98,7 +98,9 @@ class GradientServiceServicer:
     def SetWeights(self, request_iterator, context):
         """Replaces every trainable variable at once: one WeightsMessage with the header, then
         only chunks. All names, shapes, dtypes and byte counts are checked, and every value
-        must be finite, before the swap; a rejected or cancelled update changes nothing.
+        must be finite, before the swap; a rejected or cancelled update changes nothing. A
+        header larger than twice the largest a served model takes, plus 4 KiB, is refused
+        (INVALID_ARGUMENT) before it is parsed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,52 @@
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.fields import MAX_FIELDS, field_bytes
+
+HEADER = pb.WeightsMessage.HEADER_FIELD_NUMBER
+
+
+def _header(count: int) -> pb.WeightsHeader:
+    specs = [tensor_pb2.TensorSpec(name=f"t{i}", dtype=1, shape=[1, 2]) for i in range(count)]
+    return pb.WeightsHeader(model="mnist_mlp", model_version=-1, tensors=specs)
+
+
+def test_a_field_counts_the_bytes_protobuf_gives_it() -> None:
+    header = _header(300)
+    data = pb.WeightsMessage(header=header).SerializeToString()
+    assert field_bytes(data, HEADER) == header.ByteSize()
+
+
+def test_other_fields_count_nothing() -> None:
+    chunk = pb.WeightsMessage(chunk=tensor_pb2.TensorChunk(tensor=1, data=b"x" * 5000))
+    assert field_bytes(chunk.SerializeToString(), HEADER) == 0
+
+
+def test_a_field_sent_twice_counts_both_parts() -> None:
+    """Protobuf merges the parts of a message field sent twice, so both are read."""
+    first, second = _header(3), _header(40)
+    data = b"".join(pb.WeightsMessage(header=h).SerializeToString() for h in (first, second))
+    assert field_bytes(data, HEADER) == first.ByteSize() + second.ByteSize()
+    assert len(pb.WeightsMessage.FromString(data).header.tensors) == 43
+
+
+def test_fields_before_it_of_every_wire_type_are_stepped_over() -> None:
+    """Unknown fields (a newer client's) of varint, fixed and length-delimited types."""
+    unknown = bytes([0x78, 0x96, 0x01, 0x81, 0x01]) + b"\0" * 8 + bytes([0x8D, 0x01]) + b"\0" * 4
+    unknown += bytes([0x92, 0x01, 3]) + b"abc"
+    header = _header(5)
+    data = unknown + pb.WeightsMessage(header=header).SerializeToString()
+    assert pb.WeightsMessage.FromString(data).header == header
+    assert field_bytes(data, HEADER) == header.ByteSize()
+
+
+def test_only_the_first_fields_are_looked_at() -> None:
+    """A message of many small fields costs no more than MAX_FIELDS steps."""
+    small = bytes([0x78, 0x01])
+    header = pb.WeightsMessage(header=_header(5)).SerializeToString()
+    assert field_bytes(small * (MAX_FIELDS - 1) + header, HEADER) > 0
+    assert field_bytes(small * MAX_FIELDS + header, HEADER) == 0
+
+
+def test_bytes_that_are_no_message_count_nothing() -> None:
+    for data in (b"", b"\xff" * 20, b"\x0a", b"\x0b\x01"):
+        assert field_bytes(data, HEADER) == 0
