@@ -79,6 +79,7 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/zoo.py
 	$(PY) benchmarks/reductions.py
 	$(PY) benchmarks/conv_norms.py
 	$(PY) benchmarks/project_seeds.py

@@ -11,7 +11,7 @@ Quantities, each a whole batch's per-example computation (per-example losses inc
   norms        per-example gradient norms (over all variables)
   clipped_sum  sum_b min(1, C / ||g_b||) g_b with C = 1 (noise 0)
 Tools: pergrad (Engine(model, loss=LOSS, jit_compile="auto").per_example_gradients,
-reduction "none" / "norms" / "clipped_sum"); torch.func (vmap(grad_and_value) of one
+reduction "none" / "norms" / "clipped_sum"; numpy's BLAS on one thread, as served); torch.func (vmap(grad_and_value) of one
 example's loss, then norms and clipping from the full tensors); Opacus hooks
 (GradSampleModule's grad_sample, clipping by DPOptimizer.clip_and_accumulate); Opacus
 ghost clipping (GradSampleModuleFastGradientClipping: norms from the first backward,
@@ -113,7 +113,10 @@ def child_pergrad(workload: str, quantity: str, data: str, out: str, warmup: int
     """Time one pergrad quantity on the saved weights and batch; print one JSON line."""
     _tensorflow()
     from pergrad.server.engine import Engine
+    from pergrad.server.engine.cores import one_blas_thread
     from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+
+    one_blas_thread()  # the engine as `pergrad serve` runs it
 
     saved = np.load(data)
     model = BUILTIN_MODELS[workload]()

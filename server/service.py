@@ -183,18 +183,19 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         served.weights.check(
             [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
         )
+        versions = {
+            "expected_version": header.model_version,
+            "expected_id": header.weights_id,
+            "new_version": header.new_version,
+        }
+        served.weights.check_update(**versions)  # before the chunks are read
         assembler = TensorAssembler(header.tensors)
         for message in chunks:
             if not message.HasField("chunk"):
                 raise InvalidArgument("SetWeights: one header first, then only chunks")
             assembler.add(message.chunk)
         arrays = dict(zip((t.name for t in header.tensors), assembler.arrays(), strict=True))
-        return served.weights.replace(
-            arrays,
-            expected_version=header.model_version,
-            expected_id=header.weights_id,
-            new_version=header.new_version,
-        )
+        return served.weights.replace(arrays, **versions)
 
     @status
     def ComputePerExampleGradients(

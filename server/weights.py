@@ -133,19 +133,17 @@ class WeightsStore:
         tensors = tuple(tf.constant(array) for array in ordered)
         identity = weights_id(self._variables, ordered)
         with self._lock:
-            current = self._current
-            if expected_version and expected_version != current.version:
-                raise FailedPrecondition(
-                    f"expected version {expected_version}, but current is {current.version}; "
-                    "another update came first"
-                )
-            if expected_id and expected_id != current.weights_id:
-                raise FailedPrecondition(
-                    f"expected weights_id {expected_id}, but current is {current.weights_id}; "
-                    "another update came first, or the server restarted"
-                )
-            self._current = Snapshot(_next(current, new_version), tensors, identity)
+            version = _applied(self._current, expected_version, expected_id, new_version)
+            self._current = Snapshot(version, tensors, identity)
             return self._current
+
+    def check_update(
+        self, *, expected_version: int = 0, expected_id: str = "", new_version: int = 0
+    ) -> None:
+        """Refuse, before its values are read, an update the current weights refuse
+        already (`replace` checks again at the swap)."""
+        _check_new_version(new_version)
+        _applied(self._current, expected_version, expected_id, new_version)
 
     def advance(
         self,
@@ -189,6 +187,23 @@ class WeightsStore:
 def _check_new_version(new_version: int) -> None:
     if not 0 <= new_version <= MAX_VERSION:
         raise InvalidArgument(f"new_version: must be in [0, 2^62], got {new_version}")
+
+
+def _applied(
+    current: Snapshot, expected_version: int, expected_id: str, new_version: int
+) -> int:
+    """The version an update gets over `current`, if its compare-and-swap holds."""
+    if expected_version and expected_version != current.version:
+        raise FailedPrecondition(
+            f"expected version {expected_version}, but current is {current.version}; "
+            "another update came first"
+        )
+    if expected_id and expected_id != current.weights_id:
+        raise FailedPrecondition(
+            f"expected weights_id {expected_id}, but current is {current.weights_id}; "
+            "another update came first, or the server restarted"
+        )
+    return _next(current, new_version)
 
 
 def _next(current: Snapshot, new_version: int) -> int:

@@ -965,6 +965,38 @@ def test_a_header_naming_more_tensors_than_variables_is_refused_on_their_count(
     assert "logits/bias" in err.details() and len(err.details()) <= 1100
 
 
+HOPELESS_HEADERS = {
+    "version out of range": ({"new_version": -1}, grpc.StatusCode.INVALID_ARGUMENT),
+    "version too far ahead": ({"new_version": 2**62}, grpc.StatusCode.FAILED_PRECONDITION),
+    "stale version pin": ({"model_version": 99}, grpc.StatusCode.FAILED_PRECONDITION),
+    "stale weights_id pin": ({"weights_id": "0" * 32}, grpc.StatusCode.FAILED_PRECONDITION),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOPELESS_HEADERS))
+def test_an_update_that_cannot_apply_is_refused_before_its_chunks(fresh_client, case) -> None:
+    """Refused on its header, while its chunks are still to come (they never do here):
+    reading, checking and digesting weights that cannot be swapped in was a flood's
+    cheapest way to make the server work."""
+    fields, code = HOPELESS_HEADERS[case]
+    _, weights = fresh_client.get_weights("mnist_mlp")
+    specs = [tensor_spec(name, array) for name, array in weights.items()]
+    header = pb.WeightsHeader(model="mnist_mlp", tensors=specs, **fields)
+    never = threading.Event()
+
+    def messages() -> Iterator[pb.WeightsMessage]:
+        yield pb.WeightsMessage(header=header)
+        never.wait(60)
+
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            fresh_client._stub.SetWeights(messages(), timeout=30)
+    finally:
+        never.set()
+    assert err.value.code() == code, err.value.details()
+    assert fresh_client.set_weights("mnist_mlp", weights) == 2
+
+
 def test_error_messages_longer_than_a_trailer_allows_are_cut_short(fresh_client) -> None:
     """Four unknown names of 300 characters, quoted whole: INVALID_ARGUMENT with the
     message cut (not a trailer over gRPC's 8 KiB, which the client would see as
