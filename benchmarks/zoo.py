@@ -7,7 +7,8 @@ For each family, in a fresh process, interleaved (medians, ms per batch of B exa
                   families with attention or stacked recurrent layers: outside XLA,
                   TensorFlow 2.21's pfor corrupts the heap or fails there); the full
                   tensors as numpy; the faster of the two is the reference
-  pergrad         Engine.per_example_gradients (the family's XLA setting), full tensors
+  pergrad         Engine.per_example_gradients as `pergrad serve` builds it (XLA chosen
+                  per model, numpy's BLAS on one thread), full tensors
   pergrad_norms   the same engine's per-example norms (what DP clipping needs)
 Families too large for full per-example gradients (`full=False`: ResNet50) compare norms
 only: vectorized_map's norms are taken from its full tensors, in the same graph. A
@@ -48,9 +49,7 @@ def _methods(name: str, batch: int) -> dict:
     family = FAMILIES[name]
     model, loss = family.build()
     compiled = getattr(model, "loss", None)
-    engine = Engine(
-        model, loss=None if compiled is not None else loss, jit_compile=family.jit_compile
-    )
+    engine = Engine(model, loss=None if compiled is not None else loss, jit_compile="auto")
     x, y = family.batch(model, batch)
     inputs = engine.batch(x, y)
     trainable = list(engine.initial_weights())
