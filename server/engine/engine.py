@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
 from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
-from pergrad.server.engine.compiled import CompiledPass, JitCompile
+from pergrad.server.engine.compiled import CompiledPass, FlatCall, JitCompile
 from pergrad.server.engine.grads import Grad, Outer, Scatter
 from pergrad.server.engine.ids import ComputedIds
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
@@ -140,6 +140,9 @@ class Engine:
         self.num_parameters = sum(int(np.prod(v.shape)) for v in self.variables)
         self.plan = make_plan(model, registry or default_registry())
         self._computed_ids = ComputedIds(model)
+        self._read_weights = FlatCall(
+            tf.function(lambda: [tf.identity(v.value) for v in model.trainable_variables])
+        )
         self._pass = CompiledPass(
             model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
         )
@@ -206,8 +209,10 @@ class Engine:
         return sum(t[0].nbytes for t in factors)
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
-        """The model's own trainable values, as immutable tensors."""
-        return tuple(tf.convert_to_tensor(v.value) for v in self.model.trainable_variables)
+        """The model's own trainable values now, as immutable tensors, read in one graph:
+        read one by one from Python they took ~0.1 ms each here (ResNet50's 214: 18 ms,
+        against 1.7; mnist-sized MLPs 0.8 against 0.3), an in-process call's cost."""
+        return tuple(self._read_weights())
 
     def weights(self, trainable: Sequence[tf.Tensor] | None) -> tuple[tf.Tensor, ...]:
         """`trainable` (a snapshot's), or the model's own values."""

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.engine.batch import Batch
+from pergrad.server.engine.compiled import FlatCall
 from pergrad.server.errors import InvalidArgument
 
 
@@ -80,5 +81,9 @@ def _probes(model: keras.Model) -> list[_Probe]:
 
 
 def _compiled(probe: keras.Model) -> Callable[[Any], tf.Tensor]:
-    """The probe as one graph, traced again only for inputs of a new rank or dtype."""
-    return tf.function(lambda inputs: probe(inputs, training=False), reduce_retracing=True)
+    """The probe as one graph of any batch size, called flat (`FlatCall`)."""
+    specs = [tf.TensorSpec(x.shape, x.dtype) for x in probe.inputs]
+    signature = specs if len(specs) == 1 else [specs]
+    return FlatCall(
+        tf.function(lambda inputs: probe(inputs, training=False), input_signature=signature)
+    )

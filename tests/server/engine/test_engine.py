@@ -110,6 +110,29 @@ def test_given_weights_are_used_instead_of_the_models() -> None:
     _check_against_oracle(engine, loss, *_batch(engine, 4), weights=doubled)
 
 
+def test_each_call_computes_with_the_models_values_of_that_moment() -> None:
+    """A trainer updating its model between calls gets gradients at the new values."""
+    engine, loss = _engine("mnist_mlp")
+    x, y = _batch(engine, 4)
+    engine.per_example_gradients(x, y)
+    for v in engine.model.trainable_variables:
+        v.assign(v.value * 2)
+    _, grads = oracle.per_example(engine.model, loss, x, y)
+    assert_close(engine.per_example_gradients(x, y).gradients, grads)
+
+
+def test_initial_weights_keep_their_values_when_the_model_changes() -> None:
+    """The values read are the server's first snapshot: a later write to the model's
+    variables must not reach them."""
+    engine, _ = _engine("mnist_mlp")
+    read = engine.initial_weights()
+    before = [t.numpy().copy() for t in read]
+    for v in engine.model.trainable_variables:
+        v.assign(v.value + 1)
+    for tensor, value in zip(read, before, strict=True):
+        np.testing.assert_array_equal(tensor.numpy(), value)
+
+
 def test_sequence_outputs_average_loss_over_time_steps() -> None:
     inputs = keras.Input((6, 3))
     outputs = keras.layers.Dense(2, kernel_initializer=keras.initializers.GlorotUniform(3))(inputs)
