@@ -11,8 +11,9 @@ Quantities, each a whole batch's per-example computation (per-example losses inc
   norms        per-example gradient norms (over all variables)
   clipped_sum  sum_b min(1, C / ||g_b||) g_b with C = 1 (noise 0)
 Tools: pergrad (Engine(model, loss=LOSS, jit_compile="auto").per_example_gradients,
-reduction "none" / "norms" / "clipped_sum"; numpy's BLAS on one thread, as served); torch.func (vmap(grad_and_value) of one
-example's loss, then norms and clipping from the full tensors); Opacus hooks
+reduction "none" / "norms" / "clipped_sum"; numpy's BLAS on one thread, as served);
+torch.func (vmap(grad_and_value) of one example's loss, then norms and clipping from the
+full tensors); Opacus hooks
 (GradSampleModule's grad_sample, clipping by DPOptimizer.clip_and_accumulate); Opacus
 ghost clipping (GradSampleModuleFastGradientClipping: norms from the first backward,
 the clipped sum from DPLossFastGradientClipping's second one; no full tensors).

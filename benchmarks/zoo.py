@@ -10,10 +10,10 @@ For each family, in a fresh process, interleaved (medians, ms per batch of B exa
   pergrad         Engine.per_example_gradients as `pergrad serve` builds it (XLA chosen
                   per model, numpy's BLAS on one thread), full tensors
   pergrad_norms   the same engine's per-example norms (what DP clipping needs)
-Families too large for full per-example gradients (`full=False`: ResNet50) compare norms
-only: vectorized_map's norms are taken from its full tensors, in the same graph. A
-family whose vectorized_map fails to build (pfor cannot take the gradient of stacked
-recurrent loops) is marked so.
+Families too large for full per-example gradients (`full=False`: MobileNetV3Small and
+ResNet50) compare norms only: vectorized_map's norms are taken from its full tensors, in
+the same graph. A vectorized_map that fails to build (pfor cannot take the gradient of
+Keras's recurrent loops) is marked with its error.
 
     python benchmarks/zoo.py [--families F ...] [--batch-size 32] [--repeats 5]
 """
@@ -48,8 +48,8 @@ def _methods(name: str, batch: int) -> dict:
     one_blas_thread()  # the engine as `pergrad serve` runs it
     family = FAMILIES[name]
     model, loss = family.build()
-    compiled = getattr(model, "loss", None)
-    engine = Engine(model, loss=None if compiled is not None else loss, jit_compile="auto")
+    compiled = getattr(model, "loss", None)  # the engine takes a compiled loss first
+    engine = Engine(model, loss=compiled or loss, jit_compile="auto")
     x, y = family.batch(model, batch)
     inputs = engine.batch(x, y)
     trainable = list(engine.initial_weights())
@@ -98,7 +98,15 @@ def child(name: str, batch: int, repeats: int) -> None:
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
+    """numerator / denominator, or n/a where either is missing."""
     return f"{numerator / denominator:.2f}" if numerator and denominator else "n/a"
+
+
+def _cell(got: dict, method: str) -> str:
+    """A method's median, or why it did not run."""
+    if method in got:
+        return f"{got[method]:.1f}"
+    return got.get("failed", {}).get(method, "n/a")
 
 
 def main() -> None:
@@ -130,12 +138,6 @@ def main() -> None:
         )
         ratios = [_ratio(got.get(m), fastest) for m in ("pergrad", "pergrad_norms")]
         print(f"| {name} | {' | '.join(cells)} | {' | '.join(ratios)} |", flush=True)
-
-
-def _cell(got: dict, method: str) -> str:
-    if method in got:
-        return f"{got[method]:.1f}"
-    return got.get("failed", {}).get(method, "n/a")
 
 
 if __name__ == "__main__":

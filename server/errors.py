@@ -31,14 +31,3 @@ class Cancelled(PergradServerError):
 
     code = "CANCELLED"
 
-
-# Characters of a caller's text an error message quotes: repr() of a 1 MiB model name
-# took 4 ms with the GIL held, on every call naming it.
-QUOTED_CHARS = 100
-
-
-def quoted(text: str) -> str:
-    """`text` as repr() gives it, cut to QUOTED_CHARS with its length said."""
-    if len(text) <= QUOTED_CHARS:
-        return repr(text)
-    return f"{text[:QUOTED_CHARS]!r}... ({len(text)} characters)"

@@ -33,6 +33,7 @@ from pergrad.wire.chunks import RawChunk, encode_chunk
 from pergrad.wire.codec import decode_tensor, iter_raw_chunks, wire_bytes
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
+from pergrad.wire.text import quoted
 
 Part = pb.ResultHeader | RawChunk
 
@@ -84,7 +85,7 @@ def _decode_batch(
         raise InvalidArgument("labels: missing")
     if request.named_inputs:
         x = {
-            name: _decode(tensor, f"inputs[{name!r}]", max_batch)
+            name: _decode(tensor, f"inputs[{quoted(name)}]", max_batch)
             for name, tensor in request.named_inputs.items()
         }
     else:

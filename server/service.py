@@ -49,7 +49,7 @@ def _batched_spec(
     return tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=dims)
 
 
-def _largest_header(registry: ModelRegistry) -> int:
+def _header_bound(registry: ModelRegistry) -> int:
     """Twice the bytes of the largest WeightsHeader a served model takes, every field at
     its widest, and 4 KiB: room for shapes sent unpacked and fields a newer client sets."""
     sizes = [
@@ -85,18 +85,18 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
         self._settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
-        self._max_header_bytes = _largest_header(registry)
+        self._header_bound = _header_bound(registry)
 
     def oversized_header(self, data: bytes) -> str | None:
         """Why a SetWeights message is refused unparsed: a header larger than any served
         model's could be (parsing 60,000 specs would hold the GIL 5 ms to refuse them)."""
         size = field_bytes(data, pb.WeightsMessage.HEADER_FIELD_NUMBER)
-        if size <= self._max_header_bytes:
+        if size <= self._header_bound:
             return None
         return (
-            f"a header of {size} bytes; no served model's takes over "
-            f"{self._max_header_bytes} (one TensorSpec per trainable variable: GetModelInfo "
-            "lists them)"
+            f"a header of {size} bytes; the bound is {self._header_bound}, twice the "
+            "largest a served model takes plus 4 KiB (one TensorSpec per trainable "
+            "variable: GetModelInfo lists them)"
         )
 
     @status

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pergrad.server.admission import Admission
-from pergrad.server.errors import Cancelled, InvalidArgument, quoted
+from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.gradients import Settings, prepare, reduced
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.weights import Snapshot
@@ -27,6 +27,7 @@ from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import STEP_SUMS
 from pergrad.wire.codec import decode_tensor
 from pergrad.wire.results import GradientResult
+from pergrad.wire.text import quoted
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # GradientsRequest fields the step sets itself, so its batch leaves them unset.

@@ -141,7 +141,8 @@ class WeightsStore:
         self, *, expected_version: int = 0, expected_id: str = "", new_version: int = 0
     ) -> None:
         """Refuse, before its values are read, an update the current weights refuse
-        already (`replace` checks again at the swap)."""
+        already: its pins and version must hold when it arrives and at the swap
+        (`replace`), so no upload is read in full only to be refused."""
         _check_new_version(new_version)
         _applied(self._current, expected_version, expected_id, new_version)
 

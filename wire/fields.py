@@ -28,13 +28,14 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
 
 def field_bytes(data: bytes, number: int) -> int:
     """The bytes of the length-delimited top-level field `number` (summed where it comes
-    more than once), among the first MAX_FIELDS fields; what cannot be read counts 0,
-    and the parser then says what is wrong."""
+    more than once). Bytes left unread (past MAX_FIELDS fields, or after a group) count
+    as that field's, so that no padding in front of it hides it; bytes that end
+    mid-field count what was read, and the parser refuses them."""
     total, at, end = 0, 0, len(data)
     try:
         for _ in range(MAX_FIELDS):
             if at >= end:
-                break
+                return total
             key, at = _varint(data, at)
             wire_type = key & 7
             if wire_type == _VARINT:
@@ -50,5 +51,5 @@ def field_bytes(data: bytes, number: int) -> int:
             else:
                 break
     except (IndexError, ValueError):
-        pass
-    return total
+        return total
+    return total + max(0, end - at)

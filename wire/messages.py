@@ -25,6 +25,7 @@ from pergrad.wire.catalogue import (
 )
 from pergrad.wire.codec import CodecError, decode_tensor, encode_tensor, wire_dtype
 from pergrad.wire.results import GradientResult
+from pergrad.wire.text import quoted
 
 _REQUEST_FIELDS = pb.GradientsRequest.DESCRIPTOR.fields_by_name
 
@@ -109,7 +110,7 @@ def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
     value = getattr(request, option.field)
     if option.kind == "tensors":  # cast and checked by the catalogue, as in-process
         return {
-            name: decode_tensor(tensor, what=f"{option.field}[{name!r}]")
+            name: decode_tensor(tensor, what=f"{option.field}[{quoted(name)}]")
             for name, tensor in value.items()
         }
     if option.kind == "choice":

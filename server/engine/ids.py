@@ -82,7 +82,7 @@ def _probes(model: keras.Model) -> list[_Probe]:
 
 def _compiled(probe: keras.Model) -> Callable[[Any], tf.Tensor]:
     """The probe as one graph of any batch size, called flat (`FlatCall`)."""
-    specs = [tf.TensorSpec(x.shape, x.dtype) for x in probe.inputs]
+    specs = [tf.TensorSpec((None, *x.shape[1:]), x.dtype) for x in probe.inputs]
     signature = specs if len(specs) == 1 else [specs]
     return FlatCall(
         tf.function(lambda inputs: probe(inputs, training=False), input_signature=signature)

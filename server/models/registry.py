@@ -13,11 +13,12 @@ import keras
 from pergrad.server.config import Config, OptimizerSpec, parse_optimizer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
-from pergrad.server.errors import NotFound, quoted
+from pergrad.server.errors import NotFound
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.training import Trainer
 from pergrad.server.weights import WeightsStore
+from pergrad.wire.text import quoted
 
 DEFAULT_OPTIMIZER = parse_optimizer(Config.optimizer)
 

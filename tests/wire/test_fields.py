@@ -39,14 +39,25 @@ def test_fields_before_it_of_every_wire_type_are_stepped_over() -> None:
     assert field_bytes(data, HEADER) == header.ByteSize()
 
 
-def test_only_the_first_fields_are_looked_at() -> None:
-    """A message of many small fields costs no more than MAX_FIELDS steps."""
+def test_bytes_past_the_first_fields_count_as_the_fields() -> None:
+    """Padding of small fields in front cannot hide a header: what is not looked at
+    counts as the header's."""
     small = bytes([0x78, 0x01])
     header = pb.WeightsMessage(header=_header(5)).SerializeToString()
-    assert field_bytes(small * (MAX_FIELDS - 1) + header, HEADER) > 0
-    assert field_bytes(small * MAX_FIELDS + header, HEADER) == 0
+    assert field_bytes(small * (MAX_FIELDS - 1) + header, HEADER) == _header(5).ByteSize()
+    assert field_bytes(small * MAX_FIELDS + header, HEADER) == len(header)
 
 
-def test_bytes_that_are_no_message_count_nothing() -> None:
-    for data in (b"", b"\xff" * 20, b"\x0a", b"\x0b\x01"):
-        assert field_bytes(data, HEADER) == 0
+def test_bytes_after_a_group_count_as_the_fields() -> None:
+    """An empty group (field 15) that upb skips, in front of the header."""
+    header = _header(5)
+    data = bytes([0x7B, 0x7C]) + pb.WeightsMessage(header=header).SerializeToString()
+    assert pb.WeightsMessage.FromString(data).header == header
+    assert field_bytes(data, HEADER) >= header.ByteSize()
+
+
+def test_bytes_that_end_mid_field_count_what_was_read() -> None:
+    assert field_bytes(b"", HEADER) == 0
+    assert field_bytes(b"\x0a", HEADER) == 0
+    assert field_bytes(b"\x0a\x05ab", HEADER) == 5
+    assert field_bytes(b"\xff" * 20, HEADER) == 0

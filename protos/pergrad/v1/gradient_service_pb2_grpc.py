@@ -98,8 +98,10 @@ class GradientServiceServicer:
     def SetWeights(self, request_iterator, context):
         """Replaces every trainable variable at once: one WeightsMessage with the header, then
         only chunks. All names, shapes, dtypes and byte counts are checked, and every value
-        must be finite, before the swap; a rejected or cancelled update changes nothing. A
-        header larger than twice the largest a served model takes, plus 4 KiB, is refused
+        must be finite, before the swap; a rejected or cancelled update changes nothing. The
+        header's pins (model_version, weights_id) and new_version must hold when it arrives
+        (else it is refused before any chunk is read) and again at the swap. A header larger
+        than twice the largest a served model takes, plus 4 KiB, is refused
         (INVALID_ARGUMENT) before it is parsed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

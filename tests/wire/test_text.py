@@ -1,4 +1,4 @@
-from pergrad.server.errors import QUOTED_CHARS, quoted
+from pergrad.wire.text import QUOTED_CHARS, quoted
 
 
 def test_a_short_text_is_quoted_whole() -> None:
