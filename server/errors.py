@@ -30,4 +30,3 @@ class Cancelled(PergradServerError):
     """The caller went away (cancelled, or past its deadline); the work stopped."""
 
     code = "CANCELLED"
-

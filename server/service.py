@@ -49,6 +49,14 @@ def _batched_spec(
     return tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=dims)
 
 
+def _variable_specs(served: ServedModel) -> list[tensor_pb2.TensorSpec]:
+    """Each trainable variable as GetModelInfo lists it and a SetWeights header names it."""
+    return [
+        tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
+        for v in served.engine.variables
+    ]
+
+
 def _header_bound(registry: ModelRegistry) -> int:
     """Twice the bytes of the largest WeightsHeader a served model takes, every field at
     its widest, and 4 KiB: room for shapes sent unpacked and fields a newer client sets."""
@@ -58,10 +66,7 @@ def _header_bound(registry: ModelRegistry) -> int:
             model_version=-1,
             new_version=-1,
             weights_id="0" * 32,
-            tensors=[
-                tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
-                for v in registry.get(name).engine.variables
-            ],
+            tensors=_variable_specs(registry.get(name)),
         ).ByteSize()
         for name in registry.names
     ]
@@ -111,10 +116,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             name=served.name,
             model_version=served.weights.current.version,
             weights_id=served.weights.current.weights_id,
-            variables=[
-                tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
-                for v in engine.variables
-            ],
+            variables=_variable_specs(served),
             input=_batched_spec("input", engine.input_spec.dtype, engine.input_spec.shape),
             inputs=[_batched_spec(i.name, i.dtype, i.shape) for i in engine.input_specs],
             labels=_batched_spec("labels", engine.label_spec.dtype, engine.label_spec.shape),
