@@ -4,7 +4,8 @@ encodes the answer. Errors become status codes in `status` only."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -15,7 +16,7 @@ from pergrad.server.auth import caller_of
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
-from pergrad.server.gradients import Settings, prepare, responses
+from pergrad.server.gradients import Settings, oversized_batch, prepare, responses
 from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
@@ -92,17 +93,29 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         self._settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
         self._header_bound = _header_bound(registry)
 
-    def oversized_header(self, data: bytes) -> str | None:
-        """Why a SetWeights message is refused unparsed: a header larger than any served
-        model's could be (parsing 60,000 specs would hold the GIL 5 ms to refuse them)."""
+    def oversized_header(self, data: bytes) -> InvalidArgument | None:
+        """The refusal of a SetWeights message whose header is larger than any served
+        model's could be, unparsed (parsing 60,000 specs would hold the GIL 5 ms)."""
         size = field_bytes(data, pb.WeightsMessage.HEADER_FIELD_NUMBER)
         if size <= self._header_bound:
             return None
-        return (
-            f"a header of {size} bytes; the bound is {self._header_bound}, twice the "
-            "largest a served model takes plus 4 KiB (one TensorSpec per trainable "
-            "variable: GetModelInfo lists them)"
+        return InvalidArgument(
+            f"WeightsMessage: a header of {size} bytes; the bound is {self._header_bound}, "
+            "twice the largest a served model takes plus 4 KiB (one TensorSpec per "
+            "trainable variable: GetModelInfo lists them)"
         )
+
+    def refusals(self) -> dict[str, Callable[[bytes], PergradServerError | None]]:
+        """Per method, what refuses a request from its bytes before it is parsed."""
+        max_batch = self._config.max_batch
+        return {
+            "SetWeights": self.oversized_header,
+            "ComputePerExampleGradients": partial(oversized_batch, max_batch=max_batch),
+            "StreamPerExampleGradients": partial(oversized_batch, max_batch=max_batch, stream=True),
+            "ApplyStep": partial(
+                oversized_batch, max_batch=max_batch, in_field=pb.StepRequest.BATCH_FIELD_NUMBER
+            ),
+        }
 
     @status
     def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -274,9 +287,9 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
 def add_to_server(servicer: GradientServicer, server: grpc.Server) -> None:
     """Register the servicer like the generated `add_GradientServiceServicer_to_server`,
     except that responses may be pre-encoded bytes (`pergrad.wire.chunks`) and malformed
-    requests reach the handler (`MalformedRequest`), as do oversized weights headers,
-    refused before they are parsed."""
-    refusals = {"SetWeights": servicer.oversized_header}
+    requests reach the handler (`RefusedRequest`), as do requests refused from their
+    bytes before they are parsed (`GradientServicer.refusals`)."""
+    refusals = servicer.refusals()
     handlers = {
         method.name: kind(method.client_streaming, method.server_streaming).factory(
             getattr(servicer, method.name),

@@ -44,11 +44,11 @@ def bounded(message: str) -> str:
 
 
 @dataclass(frozen=True)
-class MalformedRequest:
+class RefusedRequest:
     """A request whose bytes are not a valid protobuf message of its type, or were
-    refused before parsing (`parser`)."""
+    refused before parsing (`parser`): what its call answers."""
 
-    error: str
+    error: PergradServerError
 
 
 class Sized(NamedTuple):
@@ -79,20 +79,21 @@ def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
 
 
 def parser(
-    message_class: type, refuse: Callable[[bytes], str | None] | None = None
+    message_class: type, refuse: Callable[[bytes], PergradServerError | None] | None = None
 ) -> Callable[[bytes], Any]:
     """Deserializer that hands malformed bytes to the handler instead of failing in gRPC,
     which would answer INTERNAL; the handler answers INVALID_ARGUMENT. `refuse`, if
-    given, looks at the bytes first: a reason it gives refuses them unparsed."""
+    given, looks at the bytes first: an error it gives refuses them unparsed."""
 
     def parse(data: bytes) -> Any:
-        reason = refuse(data) if refuse else None
-        if reason:
-            return MalformedRequest(f"{message_class.__name__}: {reason}")
+        error = refuse(data) if refuse else None
+        if error is not None:
+            return RefusedRequest(error)
         try:
             return message_class.FromString(data)
         except DecodeError as err:
-            return MalformedRequest(f"{message_class.__name__}: not a valid message: {err}")
+            message = f"{message_class.__name__}: not a valid message: {err}"
+            return RefusedRequest(InvalidArgument(message))
 
     return parse
 
@@ -118,8 +119,8 @@ def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics
 
 def _well_formed(request: Any) -> Any:
     """The request, or each request of a stream, refused if its bytes did not parse."""
-    if isinstance(request, MalformedRequest):
-        raise InvalidArgument(request.error)
+    if isinstance(request, RefusedRequest):
+        raise request.error
     if isinstance(request, Message):
         return request
     return (_well_formed(item) for item in request)

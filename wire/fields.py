@@ -1,17 +1,37 @@
-"""A message's top-level fields read from its wire form, without parsing the message.
+"""A message's fields read from its wire form, without parsing the message.
 
-Parsing a message builds every submessage it holds: a SetWeights header declaring
-60,000 tensor specs took upb 5 ms, with the GIL held, before its count could be refused
-(`benchmarks/attacks.py` row 10: an honest call 11.3x slower under such callers, 3.3x
-once refused by its size, read here first).
+Parsing a message builds every submessage and copies every bytes field it holds, with
+the GIL held: a SetWeights header declaring 60,000 tensor specs took upb 5 ms, a 57 MiB
+gradients request 50-120 ms, before either could be refused (`benchmarks/attacks.py`
+rows 10 and 8). Reading the few fields such a refusal needs steps over the rest by
+their lengths.
 """
 
 from __future__ import annotations
 
-# Top-level fields looked at, at most: a well-formed message of the types checked has one
-# or two, and a message of many small fields must not make this loop the costly part.
+from collections.abc import Iterator
+from typing import NamedTuple
+
+# Top-level fields `field_bytes` looks at, at most: a well-formed message of the types
+# checked has one or two, and a message of many small fields must not make this loop
+# the costly part.
 MAX_FIELDS = 8
-_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+# Fields of one message `first_element` and `submessages` read, at most: a gradients
+# request has one per option, tensor and map entry (a `dot` reference per variable).
+MAX_SCANNED = 4096
+_VARINT, _FIXED64, LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+
+
+class Unreadable(ValueError):
+    """Bytes that end mid-field, a group, or more fields than the caller reads."""
+
+
+class Field(NamedTuple):
+    number: int
+    wire_type: int
+    value: int  # a varint's value; a length-delimited field's length
+    start: int  # where a length-delimited field's bytes start
+    end: int  # the offset after the field
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
@@ -27,30 +47,93 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
     raise ValueError("varint of over 10 bytes")
 
 
+def _field(data: bytes, at: int) -> Field:
+    """The field starting at `at` (IndexError or ValueError where the bytes end or
+    none starts; Unreadable at a group, whose end only parsing it finds)."""
+    key, at = _varint(data, at)
+    wire_type = key & 7
+    value, start = 0, at
+    if wire_type == _VARINT:
+        value, at = _varint(data, at)
+    elif wire_type == _FIXED64:
+        at += 8
+    elif wire_type == _FIXED32:
+        at += 4
+    elif wire_type == LENGTH_DELIMITED:
+        value, start = _varint(data, at)
+        at = start + value
+    else:
+        raise Unreadable(f"a group (field {key >> 3})")
+    return Field(key >> 3, wire_type, value, start, at)
+
+
+def fields(data: bytes, start: int = 0, end: int | None = None) -> Iterator[Field]:
+    """The fields of the message in data[start:end], in order, at most MAX_SCANNED
+    (Unreadable past them, at a group, or where the bytes end mid-field)."""
+    end = len(data) if end is None else end
+    at = start
+    for _ in range(MAX_SCANNED):
+        if at == end:
+            return
+        try:
+            field = _field(data, at)
+        except (IndexError, ValueError) as err:
+            raise Unreadable(str(err) or "bytes end mid-field") from err
+        if field.end > end:
+            raise Unreadable("bytes end mid-field")
+        yield field
+        at = field.end
+    raise Unreadable(f"over {MAX_SCANNED} fields")
+
+
+def submessages(data: bytes, number: int, start: int = 0, end: int | None = None) -> list[Field]:
+    """Each part of message field `number` of data[start:end], in order (protobuf merges
+    the parts of a field sent more than once)."""
+    found = fields(data, start, end)
+    return [f for f in found if f.number == number and f.wire_type == LENGTH_DELIMITED]
+
+
+def first_element(data: bytes, number: int, start: int = 0, end: int | None = None) -> int | None:
+    """The first element of repeated integer field `number` of the message in
+    data[start:end], packed or not (None when it has none): a tensor's batch size."""
+    for field in fields(data, start, end):
+        if field.number != number:
+            continue
+        if field.wire_type == _VARINT:
+            return _int64(field.value)
+        if field.wire_type == LENGTH_DELIMITED and field.value:
+            try:
+                value, after = _varint(data, field.start)
+            except (IndexError, ValueError) as err:
+                raise Unreadable("a packed field's bytes end mid-varint") from err
+            if after > field.end:
+                raise Unreadable("a packed field's bytes end mid-varint")
+            return _int64(value)
+    return None
+
+
+def _int64(value: int) -> int:
+    """A varint read as protobuf's int64: its low 64 bits, two's complement."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >> 63 else value
+
+
 def field_bytes(data: bytes, number: int) -> int:
     """The bytes of the length-delimited top-level field `number` (summed where it comes
-    more than once). Bytes left unread (past MAX_FIELDS fields, or after a group) count
-    as that field's, so that no padding in front of it hides it; bytes that end
-    mid-field count what was read, and the parser refuses them."""
+    more than once), looking at MAX_FIELDS fields at most. Bytes left unread (past them,
+    or after a group) count as that field's, so that no padding in front of it hides it;
+    bytes that end mid-field count what was read, and the parser refuses them."""
     total, at, end = 0, 0, len(data)
     try:
         for _ in range(MAX_FIELDS):
             if at >= end:
                 return total
-            key, at = _varint(data, at)
-            wire_type = key & 7
-            if wire_type == _VARINT:
-                at = _varint(data, at)[1]
-            elif wire_type == _FIXED64:
-                at += 8
-            elif wire_type == _FIXED32:
-                at += 4
-            elif wire_type == _LENGTH_DELIMITED:
-                length, at = _varint(data, at)
-                total += length if key >> 3 == number else 0
-                at += length
-            else:
-                break
+            field = _field(data, at)
+            if field.wire_type == LENGTH_DELIMITED and field.number == number:
+                total += field.value
+            at = field.end
+    except Unreadable:
+        pass
     except (IndexError, ValueError):
         return total
     return total + max(0, end - at)

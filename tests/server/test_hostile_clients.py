@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
@@ -1154,3 +1155,39 @@ def test_requests_queued_for_a_worker_are_priced_per_caller(tmp_path: Path) -> N
         running.stop(0)
     assert all("RESOURCE_EXHAUSTED" in r and "half of --max-inflight-bytes" in r for r in refused)
     assert sorted(results) == sorted([*refused, "OK", "OK"])
+
+
+def _over_max_batch_unparseable(request_id: int = 0) -> bytes:
+    """A request declaring 5000 examples, its model's name not UTF-8: parsing refuses it
+    INVALID_ARGUMENT, so RESOURCE_EXHAUSTED shows it was refused before parsing."""
+    request = pb.GradientsRequest(
+        inputs=tensor_pb2.Tensor(dtype=1, shape=[5000, 784]), request_id=request_id
+    )
+    data = request.SerializeToString() + b"\x0a\x01\xff"
+    with pytest.raises(DecodeError):
+        pb.GradientsRequest.FromString(data)
+    return data
+
+
+def _raw_call_error(call: Iterator[Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    return err.value
+
+
+def test_a_request_declaring_a_batch_over_max_batch_is_refused_unparsed(
+    server: RunningServer, client: GradientClient
+) -> None:
+    """Refused from the batch its bytes declare, before protobuf parses it (a 57 MiB
+    request took upb 50-120 ms to parse, holding the GIL), and the server serves on."""
+    with grpc.insecure_channel(_target(server)) as channel:
+        unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
+        err = _raw_call_error(unary(_over_max_batch_unparseable(), timeout=30))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.details().startswith("inputs: batch of 5000 exceeds --max-batch")
+        streamed = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
+        err = _raw_call_error(streamed(iter([_over_max_batch_unparseable(9)]), timeout=30))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.details().startswith("request 9: inputs: batch of 5000")
+    x, y = batch_for((784,), 10, 4)
+    assert client.per_example_gradients("mnist_mlp", x, y, reduction="norms").norms.shape == (4,)
