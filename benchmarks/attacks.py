@@ -19,8 +19,9 @@ let go of it. Every round times each probe once:
   scrape        GET /metrics
 
 The table gives, per probe, its idle and attacked medians in ms; the worst ratio of the
-two over the probes; the honest calls that failed; and the server's RSS (idle median, and
-peak under attack).
+two over the probes; the honest calls that failed; the server's RSS (idle median, and
+peak under attack); and the server's CPU time under attack over the calls it answered
+meanwhile (the attacker's and the probes'): what each refused call of a flood costs it.
 
   python benchmarks/attacks.py [--rows 1 2 9] [--rounds 10]
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
+import os
 import socket
 import statistics
 import tempfile
@@ -54,6 +56,7 @@ from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
 WRITER, CARELESS_WRITER, READER = "secret", "careless", "reader"
 SERVICE = "/pergrad.v1.GradientService/"
 HEALTH = "/grpc.health.v1.Health/"
+HANDLED = "grpc_server_handled_total{"  # the server's calls answered, by method and status
 VOCABULARY, SEQUENCE = 1000, 32  # transformer_block's token ids
 WARM_UP_S = 3.0  # an attack takes hold (silent calls are evictable after 0.5 s)
 SETTLE_S = 1.0  # the server lets go of a killed attacker's calls
@@ -341,6 +344,17 @@ class Honest:
         self.client.close()
         self.channel.close()
 
+    def cpu_s(self) -> float:
+        """The server's CPU time so far (user and system), in seconds."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def calls_ended(self) -> float:
+        """Calls the server has answered so far, every method and status."""
+        with urllib.request.urlopen(self.metrics_url, timeout=PROBE_TIMEOUT_S) as reply:
+            lines = reply.read().decode().splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith(HANDLED))
+
     def rss_mb(self) -> float:
         status = Path(f"/proc/{self.pid}/status").read_text()
         kb = next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))
@@ -384,7 +398,9 @@ def _row(row: int, honest: Honest, target: str, rounds: int) -> str:
     )
     attacker.start()
     time.sleep(WARM_UP_S)
+    cpu, calls = honest.cpu_s(), honest.calls_ended()
     attacked, failed, attacked_rss = honest.rounds(rounds)
+    cpu, calls = honest.cpu_s() - cpu, honest.calls_ended() - calls
     stop.set()
     attacker.join(5)
     attacker.kill()
@@ -399,7 +415,8 @@ def _row(row: int, honest: Honest, target: str, rounds: int) -> str:
     return (
         f"| {row} | {ATTACKS[row][0]} | {' | '.join(cells)} | {worst:.2f} | "
         f"{sum(failed.values())}/{rounds * len(honest.probes)} {failures} | "
-        f"{statistics.median(idle_rss):.0f} → {max(attacked_rss):.0f} |"
+        f"{statistics.median(idle_rss):.0f} → {max(attacked_rss):.0f} | "
+        f"{1000 * cpu / max(calls, 1):.1f} |"
     )
 
 
@@ -415,8 +432,11 @@ def main() -> None:
             honest = Honest(server)
             honest.rounds(2)  # traces and compiles
             names = " | ".join(f"{name} ms" for name in honest.probes)
-            print(f"| # | attack | {names} | worst ratio | honest failed | server RSS MB |")
-            print("| ---: | --- |" + " ---: |" * (len(honest.probes) + 3))
+            print(
+                f"| # | attack | {names} | worst ratio | honest failed | server RSS MB | "
+                "server CPU ms per call ended |"
+            )
+            print("| ---: | --- |" + " ---: |" * (len(honest.probes) + 4))
             for row in args.rows:
                 print(_row(row, honest, server.target, args.rounds), flush=True)
             honest.close()

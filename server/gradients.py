@@ -31,25 +31,13 @@ from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import NONE
 from pergrad.wire.chunks import RawChunk, encode_chunk
 from pergrad.wire.codec import decode_tensor, iter_raw_chunks, wire_bytes
-from pergrad.wire.fields import (
-    LENGTH_DELIMITED,
-    Field,
-    Unreadable,
-    fields,
-    first_element,
-    submessages,
-)
+from pergrad.wire.declared import declared_batches
+from pergrad.wire.fields import Unreadable
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 from pergrad.wire.text import quoted
 
 Part = pb.ResultHeader | RawChunk
-_INPUTS = pb.GradientsRequest.INPUTS_FIELD_NUMBER
-_LABELS = pb.GradientsRequest.LABELS_FIELD_NUMBER
-_NAMED_INPUTS = pb.GradientsRequest.NAMED_INPUTS_FIELD_NUMBER
-_REQUEST_ID = pb.GradientsRequest.REQUEST_ID_FIELD_NUMBER
-_SHAPE = tensor_pb2.Tensor.SHAPE_FIELD_NUMBER
-_ENTRY_KEY, _ENTRY_VALUE = 1, 2  # a map entry's fields, in every protobuf map
 
 
 @dataclass(frozen=True)
@@ -91,75 +79,16 @@ def _decode(tensor: tensor_pb2.Tensor, what: str, max_batch: int) -> np.ndarray:
     return decode_tensor(tensor, what=what)
 
 
-def oversized_batch(
-    data: bytes, max_batch: int, *, in_field: int = 0, stream: bool = False
-) -> ResourceExhausted | None:
-    """The refusal of a gradients request (or, with `in_field`, of the one in this field of
-    a message) whose bytes declare a batch over --max-batch, found without parsing it:
-    a 57 MiB request took upb 50-120 ms, holding the GIL, to parse and then refuse. None
-    where its bytes declare none, or cannot be read but by parsing. In a `stream` the
-    refusal names its request."""
+def oversized_batch(data: bytes, max_batch: int, *, in_field: int = 0) -> ResourceExhausted | None:
+    """The refusal of a gradients request (or, with `in_field`, of the one in this field
+    of a message) whose bytes declare a batch over --max-batch, found before it is
+    parsed; None where they declare none, or cannot be read but by parsing."""
     try:
-        parts = submessages(data, in_field) if in_field else [Field(0, 0, 0, 0, len(data))]
-        batches = list(_declared_batches(data, parts))
+        batches = list(declared_batches(data, in_field))
     except Unreadable:
         return None
-    for what, batch in batches:
-        if batch > max_batch:
-            error = _over_max_batch(what, batch, max_batch)
-            if stream:
-                return ResourceExhausted(f"request {_request_id(data)}: {error}")
-            return error
-    return None
-
-
-def _declared_batches(data: bytes, parts: list[Field]) -> Iterator[tuple[str, int]]:
-    """Each tensor's first dimension as the request's bytes declare it, in these parts
-    of the request (protobuf merges the parts of a message sent more than once:
-    a repeated field's elements follow each other, a map's later entry replaces one of
-    the same key)."""
-    tensors: dict[int, list[Field]] = {_INPUTS: [], _LABELS: []}
-    entries: dict[str, Field] = {}
-    for part in parts:
-        for field in fields(data, part.start, part.end):
-            if field.wire_type != LENGTH_DELIMITED:
-                continue
-            if field.number in tensors:
-                tensors[field.number].append(field)
-            elif field.number == _NAMED_INPUTS:
-                entries[_entry_key(data, field)] = field
-    for what, number in (("inputs", _INPUTS), ("labels", _LABELS)):
-        batch = _first_dimension(data, tensors[number])
-        if batch is not None:
-            yield what, batch
-    for name, entry in entries.items():
-        batch = _first_dimension(data, submessages(data, _ENTRY_VALUE, entry.start, entry.end))
-        if batch is not None:
-            yield f"inputs[{quoted(name)}]", batch
-
-
-def _first_dimension(data: bytes, parts: list[Field]) -> int | None:
-    for part in parts:
-        first = first_element(data, _SHAPE, part.start, part.end)
-        if first is not None:
-            return first
-    return None
-
-
-def _entry_key(data: bytes, entry: Field) -> str:
-    """A map entry's key (the last one it holds, as protobuf reads it)."""
-    keys = submessages(data, _ENTRY_KEY, entry.start, entry.end)
-    if not keys:
-        return ""
-    try:
-        return data[keys[-1].start : keys[-1].end].decode()
-    except UnicodeDecodeError as err:
-        raise Unreadable("a key that is not UTF-8") from err
-
-
-def _request_id(data: bytes) -> int:
-    ids = [f.value for f in fields(data) if f.number == _REQUEST_ID]
-    return ids[-1] if ids else 0
+    over = [(what, batch) for what, batch in batches if batch > max_batch]
+    return _over_max_batch(*over[0], max_batch) if over else None
 
 
 def _decode_batch(

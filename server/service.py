@@ -36,6 +36,7 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
+from pergrad.wire.declared import declared_request_id
 from pergrad.wire.fields import field_bytes
 from pergrad.wire.rpc import SERVICE
 
@@ -111,7 +112,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         return {
             "SetWeights": self.oversized_header,
             "ComputePerExampleGradients": partial(oversized_batch, max_batch=max_batch),
-            "StreamPerExampleGradients": partial(oversized_batch, max_batch=max_batch, stream=True),
+            "StreamPerExampleGradients": partial(_oversized_streamed_batch, max_batch=max_batch),
             "ApplyStep": partial(
                 oversized_batch, max_batch=max_batch, in_field=pb.StepRequest.BATCH_FIELD_NUMBER
             ),
@@ -228,7 +229,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 messages = self._gradients(request, context)
                 yield from tracked(self.metrics, request, messages, context)
             except PergradServerError as err:
-                raise type(err)(f"request {request.request_id}: {err}") from err
+                raise _naming_request(err, request.request_id) from err
 
     @status
     def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
@@ -282,6 +283,16 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             caller=caller_of(context, self._config.auth_token_file is not None),
             held_bytes=held_bytes,
         )
+
+
+def _naming_request(error: PergradServerError, request_id: int) -> PergradServerError:
+    """An error of one request of a stream, naming the request by its id."""
+    return type(error)(f"request {request_id}: {error}")
+
+
+def _oversized_streamed_batch(data: bytes, max_batch: int) -> PergradServerError | None:
+    error = oversized_batch(data, max_batch)
+    return error and _naming_request(error, declared_request_id(data))
 
 
 def add_to_server(servicer: GradientServicer, server: grpc.Server) -> None:

@@ -16,14 +16,16 @@ from typing import NamedTuple
 # checked has one or two, and a message of many small fields must not make this loop
 # the costly part.
 MAX_FIELDS = 8
-# Fields of one message `first_element` and `submessages` read, at most: a gradients
-# request has one per option, tensor and map entry (a `dot` reference per variable).
+# Fields one `Reader` reads in all, at every level: a gradients request has one per
+# option, tensor part and map entry (a `dot` reference per variable), and a Python step
+# per field costs ~1 us, so a message of small fields costs a few ms at most.
 MAX_SCANNED = 4096
-_VARINT, _FIXED64, LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+VARINT, _FIXED64, LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
 
-class Unreadable(ValueError):
-    """Bytes that end mid-field, a group, or more fields than the caller reads."""
+class Unreadable(Exception):
+    """Bytes that cannot be read without parsing them: a group, more fields than a
+    reader reads, or bytes that end mid-field (the parser refuses those)."""
 
 
 class Field(NamedTuple):
@@ -35,7 +37,8 @@ class Field(NamedTuple):
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
-    """The varint at `at` and the offset after it (ValueError where none ends)."""
+    """The varint at `at` and the offset after it (IndexError or ValueError where none
+    ends)."""
     value = shift = 0
     while shift < 70:
         byte = data[at]
@@ -48,12 +51,12 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
 
 
 def _field(data: bytes, at: int) -> Field:
-    """The field starting at `at` (IndexError or ValueError where the bytes end or
-    none starts; Unreadable at a group, whose end only parsing it finds)."""
+    """The field starting at `at` (IndexError or ValueError where the bytes end or none
+    starts; Unreadable at a group, whose end only parsing it finds)."""
     key, at = _varint(data, at)
     wire_type = key & 7
     value, start = 0, at
-    if wire_type == _VARINT:
+    if wire_type == VARINT:
         value, at = _varint(data, at)
     elif wire_type == _FIXED64:
         at += 8
@@ -67,55 +70,64 @@ def _field(data: bytes, at: int) -> Field:
     return Field(key >> 3, wire_type, value, start, at)
 
 
-def fields(data: bytes, start: int = 0, end: int | None = None) -> Iterator[Field]:
-    """The fields of the message in data[start:end], in order, at most MAX_SCANNED
-    (Unreadable past them, at a group, or where the bytes end mid-field)."""
-    end = len(data) if end is None else end
-    at = start
-    for _ in range(MAX_SCANNED):
-        if at == end:
-            return
-        try:
-            field = _field(data, at)
-        except (IndexError, ValueError) as err:
-            raise Unreadable(str(err) or "bytes end mid-field") from err
-        if field.end > end:
-            raise Unreadable("bytes end mid-field")
-        yield field
-        at = field.end
-    raise Unreadable(f"over {MAX_SCANNED} fields")
-
-
-def submessages(data: bytes, number: int, start: int = 0, end: int | None = None) -> list[Field]:
-    """Each part of message field `number` of data[start:end], in order (protobuf merges
-    the parts of a field sent more than once)."""
-    found = fields(data, start, end)
-    return [f for f in found if f.number == number and f.wire_type == LENGTH_DELIMITED]
-
-
-def first_element(data: bytes, number: int, start: int = 0, end: int | None = None) -> int | None:
-    """The first element of repeated integer field `number` of the message in
-    data[start:end], packed or not (None when it has none): a tensor's batch size."""
-    for field in fields(data, start, end):
-        if field.number != number:
-            continue
-        if field.wire_type == _VARINT:
-            return _int64(field.value)
-        if field.wire_type == LENGTH_DELIMITED and field.value:
-            try:
-                value, after = _varint(data, field.start)
-            except (IndexError, ValueError) as err:
-                raise Unreadable("a packed field's bytes end mid-varint") from err
-            if after > field.end:
-                raise Unreadable("a packed field's bytes end mid-varint")
-            return _int64(value)
-    return None
-
-
-def _int64(value: int) -> int:
+def int64(value: int) -> int:
     """A varint read as protobuf's int64: its low 64 bits, two's complement."""
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >> 63 else value
+
+
+class Reader:
+    """One message's bytes, read field by field, MAX_SCANNED fields in all however the
+    reading nests (Unreadable past them), so no layout of small fields makes the
+    reading cost more than a few ms."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._left = MAX_SCANNED
+
+    def fields(self, start: int = 0, end: int | None = None) -> Iterator[Field]:
+        """The fields of the message in data[start:end], in order."""
+        end = len(self.data) if end is None else end
+        at = start
+        while at != end:
+            if not self._left:
+                raise Unreadable(f"over {MAX_SCANNED} fields")
+            self._left -= 1
+            try:
+                field = _field(self.data, at)
+            except (IndexError, ValueError) as err:
+                raise Unreadable(str(err) or "bytes that end mid-field") from err
+            if field.end > end:
+                raise Unreadable("bytes that end mid-field")
+            yield field
+            at = field.end
+
+    def length_delimited(self, number: int, start: int = 0, end: int | None = None) -> list[Field]:
+        """Each length-delimited field `number` of data[start:end], in order (protobuf
+        merges the parts of a message field sent more than once)."""
+        found = self.fields(start, end)
+        return [f for f in found if f.number == number and f.wire_type == LENGTH_DELIMITED]
+
+    def first_element(self, number: int, start: int = 0, end: int | None = None) -> int | None:
+        """The first element of repeated int64 field `number` of the message in
+        data[start:end], packed or not (None when it has none): a tensor's batch size."""
+        for field in self.fields(start, end):
+            if field.number != number:
+                continue
+            if field.wire_type == VARINT:
+                return int64(field.value)
+            if field.wire_type == LENGTH_DELIMITED and field.value:
+                return int64(self._varint_within(field.start, field.end))
+        return None
+
+    def _varint_within(self, at: int, end: int) -> int:
+        try:
+            value, after = _varint(self.data, at)
+        except (IndexError, ValueError) as err:
+            raise Unreadable("a packed field's bytes end mid-varint") from err
+        if after > end:
+            raise Unreadable("a packed field's bytes end mid-varint")
+        return value
 
 
 def field_bytes(data: bytes, number: int) -> int:

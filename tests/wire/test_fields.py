@@ -2,15 +2,7 @@ import pytest
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.fields import (
-    MAX_FIELDS,
-    MAX_SCANNED,
-    Unreadable,
-    field_bytes,
-    fields,
-    first_element,
-    submessages,
-)
+from pergrad.wire.fields import MAX_FIELDS, MAX_SCANNED, Reader, Unreadable, field_bytes
 
 HEADER = pb.WeightsMessage.HEADER_FIELD_NUMBER
 
@@ -78,37 +70,38 @@ SHAPE = tensor_pb2.Tensor.SHAPE_FIELD_NUMBER
 
 def test_first_element_reads_a_packed_field() -> None:
     data = tensor_pb2.Tensor(dtype=1, shape=[300, 2], content=b"x" * 40).SerializeToString()
-    assert first_element(data, SHAPE) == 300
+    assert Reader(data).first_element(SHAPE) == 300
 
 
 def test_first_element_reads_an_unpacked_field() -> None:
     """Parsers accept a repeated integer field sent unpacked, one varint per element."""
     data = bytes([0x10, 0xAC, 0x02, 0x10, 0x02])
     assert list(tensor_pb2.Tensor.FromString(data).shape) == [300, 2]
-    assert first_element(data, SHAPE) == 300
+    assert Reader(data).first_element(SHAPE) == 300
 
 
 def test_first_element_reads_negative_numbers_as_int64() -> None:
     data = tensor_pb2.Tensor(shape=[-1, 2]).SerializeToString()
-    assert first_element(data, SHAPE) == -1
+    assert Reader(data).first_element(SHAPE) == -1
 
 
 def test_first_element_of_an_absent_field_is_none() -> None:
     assert (
-        first_element(tensor_pb2.Tensor(dtype=1, content=b"ab").SerializeToString(), SHAPE) is None
+        Reader(tensor_pb2.Tensor(dtype=1, content=b"ab").SerializeToString()).first_element(SHAPE)
+        is None
     )
 
 
 def test_first_element_skips_an_empty_packed_part() -> None:
     data = bytes([0x12, 0x00]) + tensor_pb2.Tensor(shape=[7]).SerializeToString()
     assert list(tensor_pb2.Tensor.FromString(data).shape) == [7]
-    assert first_element(data, SHAPE) == 7
+    assert Reader(data).first_element(SHAPE) == 7
 
 
-def test_submessages_gives_each_part_in_order() -> None:
+def test_length_delimited_gives_each_part_in_order() -> None:
     first, second = _header(2), _header(3)
     data = b"".join(pb.WeightsMessage(header=h).SerializeToString() for h in (first, second))
-    parts = submessages(data, HEADER)
+    parts = Reader(data).length_delimited(HEADER)
     assert [data[p.start : p.end] for p in parts] == [
         first.SerializeToString(),
         second.SerializeToString(),
@@ -127,4 +120,4 @@ def test_submessages_gives_each_part_in_order() -> None:
 )
 def test_bytes_that_cannot_be_read_without_parsing_are_unreadable(data: bytes) -> None:
     with pytest.raises(Unreadable):
-        list(fields(data))
+        list(Reader(data).fields())

@@ -1,0 +1,147 @@
+"""A gradients request's batch sizes read from its bytes (`declared_batches`) against what
+protobuf parses from the same bytes, the source of truth: on every message protobuf
+parses, the reading gives each tensor's first dimension as the parsed request has it, or
+says it cannot read them (Unreadable), never something else."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.declared import declared_batches, declared_request_id
+from pergrad.wire.fields import Unreadable
+from pergrad.wire.text import quoted
+
+INPUTS = pb.GradientsRequest.INPUTS_FIELD_NUMBER
+LABELS = pb.GradientsRequest.LABELS_FIELD_NUMBER
+NAMED = pb.GradientsRequest.NAMED_INPUTS_FIELD_NUMBER
+REQUEST_ID = pb.GradientsRequest.REQUEST_ID_FIELD_NUMBER
+SHAPE = tensor_pb2.Tensor.SHAPE_FIELD_NUMBER
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _key(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
+
+
+def _delimited(number: int, body: bytes) -> bytes:
+    return _key(number, 2) + _varint(len(body)) + body
+
+
+def _parsed(data: bytes) -> dict[str, int]:
+    """What protobuf parses: each tensor's first dimension, by the name errors give it."""
+    request = pb.GradientsRequest.FromString(data)
+    tensors = {"inputs": request.inputs, "labels": request.labels}
+    tensors |= {f"inputs[{quoted(k)}]": t for k, t in request.named_inputs.items()}
+    return {what: t.shape[0] for what, t in tensors.items() if t.shape}
+
+
+def _read(data: bytes) -> dict[str, int] | None:
+    try:
+        return dict(declared_batches(data))
+    except Unreadable:
+        return None
+
+
+numbers = st.sampled_from([0, 1, 2, 100, 101, 5000, -1, -5000, 2**63 - 1, 2**64 + 7])
+unknown = st.one_of(
+    st.builds(lambda n, v: _key(n, 0) + _varint(v), st.sampled_from([1, 2, 3, 16, 99]), numbers),
+    st.builds(lambda n: _key(n, 1) + bytes(8), st.sampled_from([2, 3, 5, 99])),
+    st.builds(lambda n: _key(n, 5) + bytes(4), st.sampled_from([2, 3, 99])),
+    st.builds(lambda n, b: _delimited(n, b), st.sampled_from([5, 7, 99]), st.binary(max_size=3)),
+)
+shape_parts = st.one_of(
+    st.builds(lambda v: _key(SHAPE, 0) + _varint(v), numbers),
+    st.builds(
+        lambda vs: _delimited(SHAPE, b"".join(map(_varint, vs))), st.lists(numbers, max_size=3)
+    ),
+)
+tensor = st.lists(
+    st.one_of(shape_parts, st.just(_delimited(3, b"xy")), st.just(_key(1, 0) + b"\x01"), unknown),
+    max_size=4,
+).map(b"".join)
+entry = st.lists(
+    st.one_of(
+        st.builds(lambda k: _delimited(1, k), st.sampled_from([b"a", b"b", b"", b"\xc3\xa9"])),
+        st.builds(lambda t: _delimited(2, t), tensor),
+        unknown,
+    ),
+    max_size=4,
+).map(b"".join)
+request = st.lists(
+    st.one_of(
+        st.builds(lambda t: _delimited(INPUTS, t), tensor),
+        st.builds(lambda t: _delimited(LABELS, t), tensor),
+        st.builds(lambda e: _delimited(NAMED, e), entry),
+        st.builds(lambda v: _key(REQUEST_ID, 0) + _varint(v), numbers),
+        unknown,
+    ),
+    max_size=6,
+).map(b"".join)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(request)
+def test_batches_read_from_bytes_are_those_protobuf_parses(data: bytes) -> None:
+    try:
+        parsed = _parsed(data)
+    except Exception:  # bytes protobuf refuses: anything read from them is refused anyway
+        return
+    read = _read(data)
+    assert read is None or read == parsed
+
+
+def test_a_map_entry_protobuf_drops_is_not_read() -> None:
+    """upb keeps an entry holding an unknown field among the unknown fields, out of the
+    map, so it neither adds an input nor replaces one of the same key."""
+    small = _delimited(NAMED, _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, b"\x02")))
+    dropped = _delimited(
+        NAMED, _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, _varint(5000))) + b"\x18\x00"
+    )
+    assert _parsed(small + dropped) == {"inputs['a']": 2} == _read(small + dropped)
+    assert _parsed(dropped) == {} == _read(dropped)
+
+
+def test_inputs_sent_in_parts_take_the_first_shape_sent() -> None:
+    """Protobuf merges the parts: their shapes follow each other."""
+    first = _delimited(INPUTS, _delimited(3, b"ab"))
+    second = _delimited(INPUTS, _delimited(SHAPE, _varint(5000) + _varint(2)))
+    third = _delimited(INPUTS, _delimited(SHAPE, _varint(7)))
+    assert _parsed(first + second + third) == {"inputs": 5000} == _read(first + second + third)
+
+
+def test_a_step_requests_batch_is_read_in_its_field() -> None:
+    batch = pb.GradientsRequest(inputs=tensor_pb2.Tensor(shape=[5000]))
+    data = pb.StepRequest(model="m", batch=batch).SerializeToString()
+    assert dict(declared_batches(data, pb.StepRequest.BATCH_FIELD_NUMBER)) == {"inputs": 5000}
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _key(REQUEST_ID, 0) + _varint(3) + _key(REQUEST_ID, 0) + _varint(7),
+        _key(REQUEST_ID, 0) + _varint(7) + _delimited(REQUEST_ID, b"abc"),
+        _key(REQUEST_ID, 0) + b"\x87\x80\x80\x80\x80\x80\x80\x80\x80\x02",
+    ],
+    ids=["the last one", "then one of another wire type", "a varint of over 64 bits"],
+)
+def test_the_request_id_is_the_one_protobuf_parses(data: bytes) -> None:
+    assert declared_request_id(data) == pb.GradientsRequest.FromString(data).request_id
+
+
+def test_many_small_fields_are_unreadable_however_they_nest() -> None:
+    """One budget of fields for the whole reading: parts of many small fields each."""
+    part = _delimited(INPUTS, b"\x08\x00" * 100)
+    with pytest.raises(Unreadable):
+        list(declared_batches(part * 100))
