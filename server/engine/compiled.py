@@ -110,6 +110,12 @@ class CompiledPass:
         self._functions: dict[tuple[bool, int | None, InPass | None], FlatCall] = {}
         self._use(jit_compile is True)
 
+    @property
+    def takes_any_size(self) -> bool:
+        """Whether a slice runs at its own size (one function for every size); else it is
+        padded to a power of two (`bucket`), each compiled on its own."""
+        return not self._static
+
     def _use(self, xla: bool) -> None:
         self.xla = xla
         self._static = xla or self._vectorized

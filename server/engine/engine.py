@@ -174,6 +174,11 @@ class Engine:
         return hashlib.blake2b(self.plan_text.encode(), digest_size=6).hexdigest()
 
     @property
+    def takes_any_pass_size(self) -> bool:
+        """Whether a pass runs at its own size, not padded to a compiled one."""
+        return self._pass.takes_any_size
+
+    @property
     def xla_medians(self) -> tuple[float, float] | None:
         """(with XLA, without), seconds: the medians that decided where jit_compile="auto"
         timed both (the summary shows them rounded); else None."""

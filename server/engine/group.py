@@ -6,9 +6,11 @@ request's rows sit whole in one pass, fed to its own sink (`sinks`), and its res
 the same, to the bit, whatever shares its pass: the arithmetic of a pass of a given
 size does not depend on a row's place in it (measured, with XLA or without), and a pass
 only takes a size whose rows come out bit-identical to a pass of `granule`'s
-(`same_bits_sizes`; zero rows pad a pass up to it). oneDNN picks its kernels by a
-pass's size, so which sizes qualify depends on the model and the CPU: here mnist_cnn's
-rows agree for every size from 4 to 128, mnist_mlp's only for 64 to 128.
+(`same_bits_sizes`; zero rows pad a pass up to it). oneDNN and Eigen pick their kernels
+and blocking by a pass's size, so which sizes qualify depends on the model and the CPU:
+on one machine mnist_cnn's rows agreed for every size from 4 to 128; on another (AVX2,
+no AVX-512) for 5, 11, 12, 16, 17, 23, 24, 28, 29, 35, ... but not 32, and mnist_mlp's
+for 47, 48, 52, ..., 64 and up.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from pergrad.server.engine.grads import Grad, rows
 from pergrad.server.engine.sinks import Sink
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.wire.results import GradientResult
+
+# Every size up to this is probed for shared passes where a pass takes any size.
+FINE_SIZES = 64
 
 
 @dataclass(frozen=True)
@@ -54,19 +59,28 @@ def packs(sizes: Sequence[int], granule: int) -> list[list[int]]:
 def same_bits_sizes(
     engine: Engine, granule: int, trainable: Sequence[tf.Tensor] | None = None
 ) -> tuple[int, ...]:
-    """The powers of two up to `granule` (and `granule`) whose passes give every row
+    """The sizes up to `granule` (and `granule`) whose passes give every row
     bit-identical to the same row in a pass of `granule`, on a random probe batch."""
     xs, y = _probe(engine, granule)
     weights = engine.weights(trainable)
     want = engine.run_pass(weights, xs, y, granule)
     sizes = [granule]
-    size = 1 << ((granule - 1).bit_length() - 1) if granule > 1 else 0
-    while size >= 1:
+    for size in candidate_sizes(granule, every_size=engine.takes_any_pass_size):
         got = engine.run_pass(weights, tuple(x[:size] for x in xs), y[:size], size)
         if _same_rows(got, want, size):
             sizes.append(size)
-        size //= 2
     return tuple(sorted(sizes))
+
+
+def candidate_sizes(granule: int, *, every_size: bool) -> list[int]:
+    """The sizes below `granule` worth probing: the powers of two, and where a pass takes
+    any size (no XLA, which compiles one function per size), every size up to
+    FINE_SIZES too. Those spare a small request most of its padding (mnist_cnn's 8
+    examples in a pass of 11 instead of 16, 32 in 35 instead of 64), for probe passes of
+    1 + 2 + ... + 64 examples, about 16 passes of 128, once per model."""
+    powers = [1 << k for k in range((granule - 1).bit_length())]
+    fine = range(1, min(FINE_SIZES, granule - 1) + 1) if every_size else []
+    return sorted(set(powers) | set(fine))
 
 
 def _probe(engine: Engine, size: int) -> tuple[tuple[np.ndarray, ...], np.ndarray]:

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from pergrad.server.engine import Engine
-from pergrad.server.engine.group import Job, packs, pass_size, same_bits_sizes
+from pergrad.server.engine.group import (
+    FINE_SIZES,
+    Job,
+    candidate_sizes,
+    packs,
+    pass_size,
+    same_bits_sizes,
+)
 from pergrad.server.errors import Cancelled
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
@@ -76,6 +83,14 @@ def test_shared_clipped_sums_straddling_the_bound_match_the_oracle(engine: Engin
 def test_a_pass_takes_the_smallest_allowed_size_that_holds_its_rows() -> None:
     sizes = (4, 8, 32)
     assert [pass_size(rows, sizes) for rows in (1, 4, 5, 9, 32)] == [4, 4, 8, 32, 32]
+
+
+def test_where_a_pass_takes_any_size_every_small_size_is_probed() -> None:
+    """With XLA (a function compiled per size) only the powers of two are."""
+    assert candidate_sizes(128, every_size=False) == [1, 2, 4, 8, 16, 32, 64]
+    fine = candidate_sizes(128, every_size=True)
+    assert fine == sorted({*range(1, FINE_SIZES + 1), 64})
+    assert candidate_sizes(16, every_size=True) == list(range(1, 16))
 
 
 def test_a_lone_job_in_a_small_pass_equals_itself_in_a_full_one_to_the_bit(engine) -> None:
