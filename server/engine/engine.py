@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,7 @@ from pergrad.server.engine.vectorized import model_inputs
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.wire.catalogue import CATALOGUE, NONE, CheckedOptions, OptionError, Reduction
 from pergrad.wire.results import GradientResult
+from pergrad.wire.text import quoted
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ DEFAULT_SLICE_BYTES = 64 << 20
 # B >= 64 (benchmarks/engine.py, transformer_block); slices that take the vectorized
 # route stay below that.
 FALLBACK_MAX_SLICE = 32
+# Unknown variable names an error quotes, at most.
+QUOTED_NAMES = 3
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,14 @@ class Slice(NamedTuple):
     stop: int
     losses: np.ndarray
     grads: list[Grad]
+
+
+def _some(names: set[str]) -> str:
+    """A few of `names`, each quoted short, and how many more: a request may name
+    millions, and sorting or quoting them all took the GIL for seconds."""
+    first = heapq.nsmallest(QUOTED_NAMES, names)
+    more = f" and {len(names) - len(first)} more" if len(names) > len(first) else ""
+    return f"[{', '.join(map(quoted, first))}]{more}"
 
 
 def _first_line(err: tf.errors.OpError) -> str:
@@ -235,13 +247,14 @@ class Engine:
         """The named variables in model order (all for None); unknown names are refused."""
         if variables is None:
             return self.variables
-        unknown = sorted(set(variables) - {v.name for v in self.variables})
+        wanted = set(variables)
+        unknown = wanted.difference(v.name for v in self.variables)
         if unknown or not variables:
             raise InvalidArgument(
-                f"variables: unknown {unknown or 'empty filter'}; the model has "
-                f"{[v.name for v in self.variables]}"
+                f"variables: unknown {_some(unknown) if unknown else 'empty filter'}; the "
+                f"model has {[v.name for v in self.variables]}"
             )
-        return tuple(v for v in self.variables if v.name in set(variables))
+        return tuple(v for v in self.variables if v.name in wanted)
 
     def slices(self, batch: Batch, trainable: Sequence[tf.Tensor] | None) -> Iterator[Slice]:
         weights = self.weights(trainable)

@@ -17,6 +17,7 @@ from pergrad.server.engine.reductions import ReductionRegistry, default_reductio
 from pergrad.server.errors import InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.wire.catalogue import CATALOGUE, NONE
+from pergrad.wire.text import quoted
 from tests import oracle, spec_random
 from tests.helpers import assert_close, batch_for, computed_together, tabular_model
 
@@ -312,6 +313,19 @@ def test_bad_reduction_options_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         engine.per_example_gradients(x, y, **kwargs)
     assert message in str(err.value)
+
+
+def test_a_filter_naming_many_unknown_variables_quotes_a_few_short() -> None:
+    """A request may name a million variables, each long: the message quotes the first
+    few, cut short, and says how many more (sorting and quoting all took seconds)."""
+    engine = _engine("mnist_mlp")
+    names = [f"{i:07d}" + "x" * 200 for i in range(100_000)]
+    with pytest.raises(InvalidArgument) as err:
+        engine.select(names)
+    message = str(err.value)
+    assert message.startswith(f"variables: unknown [{quoted(names[0])}, ")
+    assert f"{quoted(names[2])}] and 99997 more; the model has [" in message
+    assert len(message) < 1000
 
 
 def test_noise_whose_std_overflows_float32_is_refused() -> None:
