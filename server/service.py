@@ -41,6 +41,11 @@ from pergrad.wire.fields import field_bytes
 from pergrad.wire.rpc import SERVICE
 
 _LOGGER = logging.getLogger(__name__)
+# Gradients requests this large or larger have their batch read from their bytes before
+# they are parsed: upb parsed a 57 MiB request in 50-120 ms, but a small one in 1-30 us,
+# against 16 us to read a plain request's fields and 244 us for a `dot` of 214
+# references (one Python step per field).
+READ_UNPARSED_FROM = 1 << 20
 
 
 def _batched_spec(
@@ -107,14 +112,18 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         )
 
     def refusals(self) -> dict[str, Callable[[bytes], PergradServerError | None]]:
-        """Per method, what refuses a request from its bytes before it is parsed."""
+        """Per method, what refuses a request from its bytes before it is parsed (a
+        gradients request's batch only where the request is large)."""
         max_batch = self._config.max_batch
+        step_batch = pb.StepRequest.BATCH_FIELD_NUMBER
         return {
             "SetWeights": self.oversized_header,
-            "ComputePerExampleGradients": partial(oversized_batch, max_batch=max_batch),
-            "StreamPerExampleGradients": partial(_oversized_streamed_batch, max_batch=max_batch),
-            "ApplyStep": partial(
-                oversized_batch, max_batch=max_batch, in_field=pb.StepRequest.BATCH_FIELD_NUMBER
+            "ComputePerExampleGradients": _if_large(partial(oversized_batch, max_batch=max_batch)),
+            "StreamPerExampleGradients": _if_large(
+                partial(_oversized_streamed_batch, max_batch=max_batch)
+            ),
+            "ApplyStep": _if_large(
+                partial(oversized_batch, max_batch=max_batch, in_field=step_batch)
             ),
         }
 
@@ -285,6 +294,14 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         )
 
 
+def _if_large(
+    refuse: Callable[[bytes], PergradServerError | None],
+) -> Callable[[bytes], PergradServerError | None]:
+    """`refuse` for requests of READ_UNPARSED_FROM bytes or more; smaller ones cost less
+    to parse than to read field by field in Python."""
+    return lambda data: refuse(data) if len(data) >= READ_UNPARSED_FROM else None
+
+
 def _naming_request(error: PergradServerError, request_id: int) -> PergradServerError:
     """An error of one request of a stream, naming the request by its id."""
     return type(error)(f"request {request_id}: {error}")
@@ -292,7 +309,9 @@ def _naming_request(error: PergradServerError, request_id: int) -> PergradServer
 
 def _oversized_streamed_batch(data: bytes, max_batch: int) -> PergradServerError | None:
     error = oversized_batch(data, max_batch)
-    return error and _naming_request(error, declared_request_id(data))
+    if error is None:
+        return None
+    return _naming_request(error, declared_request_id(data))
 
 
 def add_to_server(servicer: GradientServicer, server: grpc.Server) -> None:

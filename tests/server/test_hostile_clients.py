@@ -40,6 +40,7 @@ from pergrad.server.main import (
 )
 from pergrad.server.models.builtin import LOSS
 from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_model
+from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
@@ -1158,10 +1159,13 @@ def test_requests_queued_for_a_worker_are_priced_per_caller(tmp_path: Path) -> N
 
 
 def _over_max_batch_unparseable(request_id: int = 0) -> bytes:
-    """A request declaring 5000 examples, its model's name not UTF-8: parsing refuses it
+    """A request declaring 5000 examples, large enough to be read before it is parsed
+    (READ_UNPARSED_FROM), its model's name not UTF-8: parsing refuses it
     INVALID_ARGUMENT, so RESOURCE_EXHAUSTED shows it was refused before parsing."""
+    content = bytes(READ_UNPARSED_FROM)
     request = pb.GradientsRequest(
-        inputs=tensor_pb2.Tensor(dtype=1, shape=[5000, 784]), request_id=request_id
+        inputs=tensor_pb2.Tensor(dtype=1, shape=[5000, 784], content=content),
+        request_id=request_id,
     )
     data = request.SerializeToString() + b"\x0a\x01\xff"
     with pytest.raises(DecodeError):
