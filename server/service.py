@@ -4,7 +4,7 @@ encodes the answer. Errors become status codes in `status` only."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -20,7 +20,7 @@ from pergrad.server.gradients import Settings, oversized_batch, prepare, respons
 from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
-from pergrad.server.status import parser, request_bytes, status
+from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.weights import Snapshot
@@ -36,7 +36,7 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
-from pergrad.wire.declared import declared_request_id
+from pergrad.wire.declared import declared_model, declared_request_id
 from pergrad.wire.fields import field_bytes
 from pergrad.wire.rpc import SERVICE
 
@@ -111,7 +111,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             "trainable variable: GetModelInfo lists them)"
         )
 
-    def refusals(self) -> dict[str, Callable[[bytes], PergradServerError | None]]:
+    def refusals(self) -> dict[str, Refusal]:
         """Per method, what refuses a request from its bytes before it is parsed (a
         gradients request's batch only where the request is large)."""
         max_batch = self._config.max_batch
@@ -122,10 +122,27 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             "StreamPerExampleGradients": _if_large(
                 partial(_oversized_streamed_batch, max_batch=max_batch)
             ),
-            "ApplyStep": _if_large(
-                partial(oversized_batch, max_batch=max_batch, in_field=step_batch)
+            "ApplyStep": self._counted_as_failed_step(
+                _if_large(partial(oversized_batch, max_batch=max_batch, in_field=step_batch))
             ),
         }
+
+    def _counted_as_failed_step(self, refuse: Refusal) -> Refusal:
+        """`refuse` for a step, each refusal counted as a failed update of the served model
+        its bytes name, as `ApplyStep` counts what it refuses (a step whose bytes name no
+        served model, or hold too many fields to read, counts only in gRPC's metrics).
+        SetWeights' refusal is not counted so: its stream's handler may already hold the
+        model, and count the failure itself."""
+
+        def refuse_counted(data: bytes) -> PergradServerError | None:
+            error = refuse(data)
+            if error is not None:
+                model = declared_model(data, pb.StepRequest.MODEL_FIELD_NUMBER)
+                if model in self._registry.names:
+                    self.metrics.weights_update_failed(model)
+            return error
+
+        return refuse_counted
 
     @status
     def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -294,9 +311,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         )
 
 
-def _if_large(
-    refuse: Callable[[bytes], PergradServerError | None],
-) -> Callable[[bytes], PergradServerError | None]:
+def _if_large(refuse: Refusal) -> Refusal:
     """`refuse` for requests of READ_UNPARSED_FROM bytes or more; smaller ones cost less
     to parse than to read field by field in Python."""
     return lambda data: refuse(data) if len(data) >= READ_UNPARSED_FROM else None

@@ -78,9 +78,11 @@ def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
     return _REQUEST_BYTES.get(context) or request.ByteSize()
 
 
-def parser(
-    message_class: type, refuse: Callable[[bytes], PergradServerError | None] | None = None
-) -> Callable[[bytes], Any]:
+# What refuses a request from its bytes, before it is parsed: the error, or None.
+Refusal = Callable[[bytes], PergradServerError | None]
+
+
+def parser(message_class: type, refuse: Refusal | None = None) -> Callable[[bytes], Any]:
     """Deserializer that hands malformed bytes to the handler instead of failing in gRPC,
     which would answer INTERNAL; the handler answers INVALID_ARGUMENT. `refuse`, if
     given, looks at the bytes first: an error it gives refuses them unparsed."""

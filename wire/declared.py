@@ -1,5 +1,5 @@
-"""What a gradients request's bytes declare, read without parsing it: each tensor's batch
-size and the request's id, exactly as protobuf (upb) would parse them.
+"""What a request's bytes declare, read without parsing it: a gradients request's tensors'
+batch sizes and its id, a step's model, exactly as protobuf (upb) would parse them.
 
 So the server refuses a batch over its limit before parsing the request (a 57 MiB
 request took upb 50-120 ms to parse, holding the GIL). Where the bytes cannot be read
@@ -59,6 +59,17 @@ def declared_request_id(data: bytes) -> int:
     fields = Reader(data).fields()
     ids = [f.value for f in fields if f.number == _REQUEST_ID and f.wire_type == VARINT]
     return ids[-1] & ((1 << 64) - 1) if ids else 0
+
+
+def declared_model(data: bytes, number: int) -> str | None:
+    """String field `number` (a model's name) of the message in `data`: the last one
+    sent, as protobuf keeps it; None where the bytes cannot be read but by parsing, or
+    the name is not UTF-8."""
+    try:
+        names = Reader(data).length_delimited(number)
+        return data[names[-1].start : names[-1].end].decode() if names else ""
+    except (Unreadable, UnicodeDecodeError):
+        return None
 
 
 def _kept(reader: Reader, entry: Field) -> bool:

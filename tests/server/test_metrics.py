@@ -12,8 +12,10 @@ import pytest
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.server.main import RunningServer
+from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor
 from tests.helpers import KERAS_MODEL_NAME, batch_for
 from tests.prometheus import promtool, sample_names, scrape
@@ -198,6 +200,26 @@ def test_failed_set_weights_is_counted_and_keeps_the_version(
     with pytest.raises(PergradError):
         fresh_client.set_weights("mnist_mlp", weights)
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
+    assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
+
+
+def test_a_step_refused_before_parsing_is_counted_as_a_failed_update(
+    fresh_server: RunningServer,
+) -> None:
+    """A step whose batch is over --max-batch is refused from its bytes, before any
+    handler runs, and still counts for the model it names (not for one it does not)."""
+    batch = pb.GradientsRequest(
+        inputs=tensor_pb2.Tensor(dtype=1, shape=[5000, 784], content=bytes(READ_UNPARSED_FROM))
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
+        step = channel.unary_unary(f"/{SERVICE}/ApplyStep")
+        for model in ("mnist_mlp", "no_such_model"):
+            request = pb.StepRequest(model=model, batch=batch).SerializeToString()
+            with pytest.raises(grpc.RpcError) as err:
+                step(request, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="no_such_model") == 0
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
 
 

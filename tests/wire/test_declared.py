@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.declared import declared_batches, declared_request_id
+from pergrad.wire.declared import declared_batches, declared_model, declared_request_id
 from pergrad.wire.fields import Unreadable
 from pergrad.wire.text import quoted
 
@@ -138,6 +138,27 @@ def test_a_step_requests_batch_is_read_in_its_field() -> None:
 )
 def test_the_request_id_is_the_one_protobuf_parses(data: bytes) -> None:
     assert declared_request_id(data) == pb.GradientsRequest.FromString(data).request_id
+
+
+MODEL = pb.StepRequest.MODEL_FIELD_NUMBER
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _delimited(MODEL, b"first") + _delimited(5, b"") + _delimited(MODEL, b"second"),
+        _delimited(5, b""),
+        pb.StepRequest(model="mnist_mlp", new_version=3).SerializeToString(),
+    ],
+    ids=["the last one", "none", "among other fields"],
+)
+def test_a_steps_model_is_the_one_protobuf_parses(data: bytes) -> None:
+    assert declared_model(data, MODEL) == pb.StepRequest.FromString(data).model
+
+
+def test_a_model_name_protobuf_refuses_is_not_read() -> None:
+    assert declared_model(_delimited(MODEL, b"\xff"), MODEL) is None
+    assert declared_model(_delimited(MODEL, b"ab")[:-1], MODEL) is None
 
 
 def test_many_small_fields_are_unreadable_however_they_nest() -> None:
