@@ -21,7 +21,11 @@ from pergrad.server.engine.grads import Grad
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import weighted_sum
 from pergrad.server.engine.reductions.norms import squared
-from pergrad.server.engine.reductions.random_streams import gaussian, secure_gaussian, stream_key
+from pergrad.server.engine.reductions.random_streams import (
+    gaussians,
+    secure_gaussians,
+    stream_key,
+)
 from pergrad.server.errors import InvalidArgument
 
 NOISE_STREAM = 2
@@ -73,18 +77,20 @@ class ClippedSum:
         for name, total in sums.items():
             self._sums[name] += total
 
-    def _standard_noise(self, variable: Selected) -> np.ndarray:
+    def _standard_noise(self) -> list[np.ndarray]:
+        """Each variable's standard Gaussians, flat, made together (`gaussians`)."""
+        counts = [int(np.prod(v.shape)) for v in self._variables]
         if self._seed is None:
-            return secure_gaussian(variable.shape)
-        key = stream_key(self._seed, variable.index, NOISE_STREAM)
-        return gaussian(key, 0, int(np.prod(variable.shape))).reshape(variable.shape)
+            return secure_gaussians(counts)
+        keys = [stream_key(self._seed, v.index, NOISE_STREAM) for v in self._variables]
+        return gaussians(keys, counts)
 
     def finish(self) -> dict[str, Any]:
         norms = np.concatenate(self._norms)
         if self._noise:
-            std = self._noise * self.max_norm
-            for v in self._variables:
-                self._sums[v.name] += np.float32(std) * self._standard_noise(v)
+            std = np.float32(self._noise * self.max_norm)
+            for v, noise in zip(self._variables, self._standard_noise(), strict=True):
+                self._sums[v.name] += std * noise.reshape(v.shape)
         return {
             "clipped_sum": self._sums,
             "norms": norms.astype(np.float32),

@@ -67,11 +67,26 @@ def test_gaussian_entries_are_standard_normal() -> None:
     assert abs(np.mean(entries.astype(np.float64) ** 4) - 3) < 0.05
 
 
+@pytest.mark.parametrize(
+    "counts",
+    [[7, 0, 1, 2 * random_streams.PARALLEL_ENTRIES + 3, 128, 5], [3], []],
+    ids=["a model's variables", "one", "none"],
+)
+def test_many_streams_made_together_are_each_stream_made_alone(counts: list[int]) -> None:
+    keys = [random_streams.stream_key(42, index, 2) for index in range(len(counts))]
+    together = random_streams.gaussians(keys, counts)
+    alone = [
+        random_streams.gaussian(key, 0, count) for key, count in zip(keys, counts, strict=True)
+    ]
+    assert [a.tobytes() for a in together] == [a.tobytes() for a in alone]
+
+
 def test_secure_gaussians_are_standard_normal_and_fresh() -> None:
-    first, second = random_streams.secure_gaussian((1 << 20,)), random_streams.secure_gaussian((4,))
+    first, second, third = random_streams.secure_gaussians([1 << 20, 4, 3])
     assert abs(first.mean()) < 0.005 and abs(first.std() - 1) < 0.005
+    assert (second.shape, third.shape) == ((4,), (3,))
     assert not np.array_equal(first[:4], second)
-    assert random_streams.secure_gaussian((3, 5)).shape == (3, 5)
+    assert not np.array_equal(second, random_streams.secure_gaussians([4])[0])
 
 
 def test_cache_stays_within_its_bytes_whatever_the_seeds() -> None:
