@@ -128,11 +128,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         }
 
     def _counted_as_failed_step(self, refuse: Refusal) -> Refusal:
-        """`refuse` for a step, each refusal counted as a failed update of the served model
-        its bytes name, as `ApplyStep` counts what it refuses (a step whose bytes name no
-        served model, or hold too many fields to read, counts only in gRPC's metrics).
-        SetWeights' refusal is not counted so: its stream's handler may already hold the
-        model, and count the failure itself."""
+        """`refuse`, counting each refusal as `ApplyStep` counts a failed step: for the
+        served model the bytes name, if any (SetWeights' stream may count it itself)."""
 
         def refuse_counted(data: bytes) -> PergradServerError | None:
             error = refuse(data)

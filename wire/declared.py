@@ -63,8 +63,8 @@ def declared_request_id(data: bytes) -> int:
 
 def declared_model(data: bytes, number: int) -> str | None:
     """String field `number` (a model's name) of the message in `data`: the last one
-    sent, as protobuf keeps it; None where the bytes cannot be read but by parsing, or
-    the name is not UTF-8."""
+    sent, as protobuf keeps it where it parses the message; None where the bytes cannot
+    be read but by parsing, or the name is not UTF-8."""
     try:
         names = Reader(data).length_delimited(number)
         return data[names[-1].start : names[-1].end].decode() if names else ""

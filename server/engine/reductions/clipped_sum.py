@@ -78,7 +78,7 @@ class ClippedSum:
             self._sums[name] += total
 
     def _standard_noise(self) -> list[np.ndarray]:
-        """Each variable's standard Gaussians, flat, made together (`gaussians`)."""
+        """Each variable's standard Gaussians, flat, made together (one array for them all)."""
         counts = [int(np.prod(v.shape)) for v in self._variables]
         if self._seed is None:
             return secure_gaussians(counts)

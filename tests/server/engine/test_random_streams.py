@@ -81,6 +81,16 @@ def test_many_streams_made_together_are_each_stream_made_alone(counts: list[int]
     assert [a.tobytes() for a in together] == [a.tobytes() for a in alone]
 
 
+def test_streams_made_by_small_blocks_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, counts = [3, 4, 5], [11, 2 * random_streams.PARALLEL_ENTRIES + 1, 6]
+    whole = random_streams.gaussians(keys, counts)
+    monkeypatch.setattr(random_streams, "BLOCK_WORDS", 5)
+    assert [a.tobytes() for a in random_streams.gaussians(keys, counts)] == [
+        a.tobytes() for a in whole
+    ]
+    assert [len(a) for a in random_streams.secure_gaussians(counts)] == counts
+
+
 def test_secure_gaussians_are_standard_normal_and_fresh() -> None:
     first, second, third = random_streams.secure_gaussians([1 << 20, 4, 3])
     assert abs(first.mean()) < 0.005 and abs(first.std() - 1) < 0.005
