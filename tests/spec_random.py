@@ -3,7 +3,7 @@
 Plain Python integers and `math`, one entry at a time: slow and obviously the text, so
 that a projection matrix or seeded noise the server makes can be checked, bit for bit,
 against what any other client would make from the same seed. TEXT is the proto's section
-this module implements, word for word (tests/wire/test_random_conformance.py holds it to
+this module implements, word for word (tests/server/engine/test_random_streams.py holds it to
 the proto), so the two cannot drift apart.
 """
 
