@@ -18,7 +18,8 @@ client and the server run:
   encode         client: check the options, cast the batch, build and serialize the request
   prepare        server: parse the request, decode and check the batch, price the result
   compute        server: the pass, the reduction and its noise, as the server runs them (a
-                 small request through its model's coalescer, with the server's defaults)
+                 small request through its model's coalescer where the server's defaults
+                 share passes: on a GPU, not on a CPU)
   noise          of which the noise: compute with noise minus compute without
   respond        server: admission, the result checked, its header, chunking, encoding
   decode         client: the responses read, checked and assembled into arrays
@@ -59,7 +60,7 @@ from pergrad.server.engine.cores import one_blas_thread
 from pergrad.server.engine.engine import Engine
 from pergrad.server.engine.group import Job
 from pergrad.server.gradients import Settings, Work, prepare, responses
-from pergrad.server.main import build_registry
+from pergrad.server.main import build_registry, with_coalescing_resolved
 from pergrad.server.models.registry import ServedModel
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.chunks import serialize
@@ -128,9 +129,15 @@ class Phases:
         self.admission = Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
-        granule = granule_for(self.engine, config.max_coalesced_batch)
-        self.coalescer = Coalescer(
-            self.engine, window_s=config.batch_window_ms / 1000, granule=granule
+        bound = with_coalescing_resolved(config).max_coalesced_batch
+        self.coalescer = (
+            Coalescer(
+                self.engine,
+                window_s=config.batch_window_ms / 1000,
+                granule=granule_for(self.engine, bound),
+            )
+            if bound
+            else None
         )
         self.info, self.x, self.y, self.options = info, x, y, MODES[mode]
         self.request = self.encode()
@@ -138,7 +145,8 @@ class Phases:
         self.messages = [serialize(m) for m in self.respond()]
 
     def close(self) -> None:
-        self.coalescer.close()
+        if self.coalescer is not None:
+            self.coalescer.close()
 
     def encode(self) -> bytes:
         call = Call.of(self.served.name, **self.options)
@@ -151,7 +159,7 @@ class Phases:
     def compute(self) -> object:
         work = self.work
         asked = work.asked
-        if self.coalescer.takes(work.batch.size):
+        if self._shared():
             sink = self.engine.sink(
                 work.batch.size,
                 reduction=asked.reduction.name,
@@ -170,7 +178,7 @@ class Phases:
 
     def respond(self) -> list[Any]:
         """Compute and the response messages, as the servicer makes them."""
-        coalescer = self.coalescer if self.coalescer.takes(self.work.batch.size) else None
+        coalescer = self.coalescer if self._shared() else None
         return list(
             responses(
                 self.work,
@@ -181,6 +189,10 @@ class Phases:
                 coalescer=coalescer,
             )
         )
+
+    def _shared(self) -> bool:
+        """Whether the server, with its defaults, puts this request through a shared pass."""
+        return self.coalescer is not None and self.coalescer.takes(self.work.batch.size)
 
     def decode(self) -> object:
         expected = Call.of(self.served.name, **self.options).expected(self.info, len(self.y))

@@ -8,8 +8,9 @@ from the limits.
 
 Small requests (--small): N clients each send requests of B examples back to back for a
 fixed time, `clipped_sum` or `norms` of mnist_mlp and mnist_cnn, to two servers: one
-coalescing small requests (the default settings), one not (--max-coalesced-batch 0), in
-alternating rounds; reported: examples/s and p50/p99 latency, and the ratio.
+coalescing small requests (--max-coalesced-batch 128, the default where a GPU is seen),
+one not (0, the default on a CPU), in alternating rounds; reported: examples/s and
+p50/p99 latency, and the ratio.
 
     python benchmarks/load.py [--clients 16] [--requests 10]
     python benchmarks/load.py --small [--clients 16] [--seconds 5] [--rounds 2]
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transport import cnn_batch, mlp_batch, pergrad_server
 
 from pergrad.client import GradientClient, PergradError
+from pergrad.server.config import AUTO_COALESCED_BATCH
 
 MAX_INFLIGHT_BYTES = 64 << 20
 BATCH = 32
@@ -121,7 +123,10 @@ def small(clients: int, seconds: float, rounds: int) -> None:
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model, make_batch in SMALL_MODELS.items():
-        settings = {"off": ("--max-coalesced-batch", "0"), "on": ()}
+        settings = {
+            "off": ("--max-coalesced-batch", "0"),
+            "on": ("--max-coalesced-batch", str(AUTO_COALESCED_BATCH)),
+        }
         servers = {
             mode: pergrad_server("--model", model, "--jit-compile", "off", *flags)
             for mode, flags in settings.items()

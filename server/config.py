@@ -19,6 +19,10 @@ JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
 # docs advise other applications to stay outside it), and two servers on one host with
 # their own gRPC ports get their own metrics ports too.
 METRICS_PORT_OFFSET = 100
+# --max-coalesced-batch auto where TensorFlow sees a GPU, whose passes carry a fixed cost
+# (kernel launches) worth sharing; on a CPU a shared pass costs more than a request's own
+# (`coalescing_bound`).
+AUTO_COALESCED_BATCH = 128
 
 
 class ConfigError(ValueError):
@@ -80,7 +84,7 @@ class Config:
     max_streams: int = 4
     stall_timeout_s: float = 60.0
     batch_window_ms: float = 0.0
-    max_coalesced_batch: int = 128
+    max_coalesced_batch: int | None = None  # None: auto (`coalescing_bound`)
     grace_s: float = 10.0
     jit_compile: str = "auto"
     optimizer: str = "sgd"
@@ -100,6 +104,16 @@ class Config:
     @functools.cached_property
     def optimizer_spec(self) -> OptimizerSpec:
         return parse_optimizer(self.optimizer)
+
+    def coalescing_bound(self, gpu: bool) -> int:
+        """--max-coalesced-batch as a number, auto resolved: AUTO_COALESCED_BATCH with a
+        GPU, else 0. Measured on CPU (benchmarks/README.md, 2026-12-03 morning), a shared
+        pass never paid: bit-identical rows whatever shares a pass take pass sizes whose
+        kernels round alike (mnist_mlp's 8 examples in a pass of 47, mnist_cnn's in 11) and
+        a reduction outside the pass, while passes held 1.9 requests on average."""
+        if self.max_coalesced_batch is not None:
+            return self.max_coalesced_batch
+        return AUTO_COALESCED_BATCH if gpu else 0
 
     @property
     def max_calls(self) -> int:
@@ -144,7 +158,7 @@ class Config:
             )
         if not 0 <= self.batch_window_ms <= 1000:
             raise ConfigError(f"--batch-window-ms must be in [0, 1000], got {self.batch_window_ms}")
-        if self.max_coalesced_batch < 0:
+        if self.max_coalesced_batch is not None and self.max_coalesced_batch < 0:
             raise ConfigError(
                 f"--max-coalesced-batch must be >= 0 (0 turns coalescing off), "
                 f"got {self.max_coalesced_batch}"
@@ -255,10 +269,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-coalesced-batch",
-        default=_env("MAX_COALESCED_BATCH", d.max_coalesced_batch),
+        default=_env("MAX_COALESCED_BATCH", "auto"),
         help="bound on the examples of one shared pass: passes hold the largest power of two "
         "within it and the engine's slice, and requests smaller than that pass size share passes "
-        "(0: no coalescing)",
+        f"(0: no coalescing; auto: {AUTO_COALESCED_BATCH} where TensorFlow sees a GPU, 0 on CPU)",
     )
     parser.add_argument(
         "--grace",
@@ -317,9 +331,26 @@ def _number(args: argparse.Namespace, attr: str, kind: type) -> int | float:
     try:
         return kind(value)
     except ValueError:
-        flag = "--" + attr.removesuffix("_s").replace("_", "-")
-        env = "PERGRAD_" + attr.removesuffix("_s").upper()
+        flag, env = _names(attr)
         raise ConfigError(f"{flag} (or {env}) must be a number, got {value!r}") from None
+
+
+def _names(attr: str) -> tuple[str, str]:
+    """The flag and the environment variable that set `attr`."""
+    name = attr.removesuffix("_s")
+    return "--" + name.replace("_", "-"), "PERGRAD_" + name.upper()
+
+
+def _auto_or_number(args: argparse.Namespace, attr: str) -> int | None:
+    """None for "auto", else the flag's whole number."""
+    value = getattr(args, attr)
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        flag, env = _names(attr)
+        raise ConfigError(f"{flag} (or {env}) must be a number or auto, got {value!r}") from None
 
 
 def from_args(args: argparse.Namespace) -> Config:
@@ -341,7 +372,7 @@ def from_args(args: argparse.Namespace) -> Config:
         max_streams=_number(args, "max_streams", int),
         stall_timeout_s=_number(args, "stall_timeout_s", float),
         batch_window_ms=_number(args, "batch_window_ms", float),
-        max_coalesced_batch=_number(args, "max_coalesced_batch", int),
+        max_coalesced_batch=_auto_or_number(args, "max_coalesced_batch"),
         grace_s=_number(args, "grace_s", float),
         jit_compile=str(args.jit_compile),
         optimizer=str(args.optimizer),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -50,6 +50,20 @@ def configure_devices() -> None:
     for gpu in gpus:
         tf.config.experimental.set_memory_growth(gpu, True)
     _LOGGER.info("devices: %s", ", ".join(d.name for d in gpus) or "CPU only")
+
+
+def with_coalescing_resolved(config: Config) -> Config:
+    """The config with --max-coalesced-batch auto made a number for this machine
+    (`Config.coalescing_bound`), as every part of the server then reads it."""
+    import tensorflow as tf
+
+    bound = config.coalescing_bound(gpu=bool(tf.config.list_physical_devices("GPU")))
+    if config.max_coalesced_batch is None:
+        _LOGGER.info(
+            "--max-coalesced-batch auto: %s",
+            f"{bound} (a GPU is seen)" if bound else "0, no shared passes (CPU only)",
+        )
+    return replace(config, max_coalesced_batch=bound)
 
 
 @dataclass
@@ -111,6 +125,7 @@ def server_options(config: Config) -> list[tuple[str, int]]:
 def start(config: Config, registry: ModelRegistry | None = None) -> RunningServer:
     """Start serving gRPC and /metrics (port 0 picks a free one); returns at once."""
     registry = registry or build_registry(config)
+    config = with_coalescing_resolved(config)
     metrics = ServerMetrics()
     for name in registry.names:
         metrics.model_served(name, registry.get(name).weights.current.version)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pergrad.client.local import LocalServer
-from pergrad.server.config import Config
+from pergrad.server.config import AUTO_COALESCED_BATCH, Config
 from pergrad.server.engine.group import shared_rows
 
 # float32 results of the vectorized pass and of the batch-size-1 loop sum the same terms in
@@ -133,13 +133,17 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def loopback_config(*models: str, **settings: object) -> Config:
-    """A test server's config: 127.0.0.1, free ports, no XLA timing, these models."""
+    """A test server's config: 127.0.0.1, free ports, no XLA timing, these models, and
+    small requests sharing passes as they do by default where a GPU is seen (off by default
+    on a CPU): the suite's calls take the shared path, whose results must not depend on
+    what shares a pass."""
     return Config(
         **{
             "host": "127.0.0.1",
             "port": 0,
             "metrics_port": 0,
             "jit_compile": "off",
+            "max_coalesced_batch": AUTO_COALESCED_BATCH,
             "models": models,
             **settings,
         }

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from pergrad.server.config import METRICS_PORT_OFFSET, ConfigError, parse
+from pergrad.server.config import (
+    AUTO_COALESCED_BATCH,
+    METRICS_PORT_OFFSET,
+    Config,
+    ConfigError,
+    parse,
+)
 from tests.pki import Pki, make_pki
 
 
@@ -97,6 +103,23 @@ def test_coalescing_settings_read_their_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PERGRAD_MAX_COALESCED_BATCH", "0")
     config = parse([])
     assert (config.batch_window_ms, config.max_coalesced_batch) == (5.5, 0)
+
+
+@pytest.mark.parametrize(
+    "argv", [[], ["--max-coalesced-batch", "auto"], ["--max-coalesced-batch", "AUTO"]]
+)
+def test_coalescing_is_auto_by_default_or_when_asked(argv: list[str]) -> None:
+    assert parse(argv).max_coalesced_batch is None
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_auto_coalescing_shares_passes_only_with_a_gpu(gpu: bool) -> None:
+    assert Config().coalescing_bound(gpu=gpu) == (AUTO_COALESCED_BATCH if gpu else 0)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_coalescing_bound_given_is_kept_with_or_without_a_gpu(gpu: bool) -> None:
+    assert parse(["--max-coalesced-batch", "32"]).coalescing_bound(gpu=gpu) == 32
 
 
 def test_non_numeric_environment_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+import tensorflow as tf
 
+from pergrad.client import GradientClient
 from pergrad.server.config import Config
 from pergrad.server.main import start
 from tests.helpers import READY, loopback_config
@@ -47,3 +49,15 @@ def test_stop_closes_the_metrics_endpoint() -> None:
     running.stop(0)
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url, timeout=10)
+
+
+def test_a_started_server_reports_its_coalescing_bound_resolved() -> None:
+    """ModelInfo's limits say what the server does: auto resolved for this machine."""
+    running = start(loopback_config("mnist_mlp", max_coalesced_batch=None))
+    try:
+        with GradientClient(f"127.0.0.1:{running.port}") as client:
+            limits = client.model_info("mnist_mlp").limits
+    finally:
+        running.stop(0)
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    assert limits.max_coalesced_batch == Config().coalescing_bound(gpu=gpu)

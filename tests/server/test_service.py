@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError, ServerLimits
-from pergrad.server.config import Config
+from pergrad.server.config import AUTO_COALESCED_BATCH, Config
 from pergrad.server.main import SERVICE_NAME, RunningServer
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.registry import ModelRegistry, serve_model
@@ -70,7 +70,8 @@ def test_model_info_describes_variables_input_labels_and_loss(client: GradientCl
 
 def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) -> None:
     """What a client needs to size batches and to know replicas agree; the conftest
-    server runs with --max-batch 512, --jit-compile off and the other defaults."""
+    server runs with --max-batch 512, --jit-compile off, passes shared (`loopback_config`)
+    and the other defaults."""
     info = client.model_info("mnist_mlp")
     defaults = Config()
     assert info.limits == ServerLimits(
@@ -78,7 +79,7 @@ def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) 
         max_request_bytes=defaults.max_request_bytes,
         max_inflight_examples=defaults.max_inflight_examples,
         max_inflight_bytes=defaults.max_inflight_bytes,
-        max_coalesced_batch=defaults.max_coalesced_batch,
+        max_coalesced_batch=AUTO_COALESCED_BATCH,
     )
     assert info.plan.startswith("XLA off; slices of ") and "closed-form rules: " in info.plan
     assert len(info.plan_id) == 12 and info.loss_dtype == np.float32
