@@ -1,10 +1,12 @@
 """`make bench`: an honest client's latency while each hostile caller of issue 23 works.
 
-One `pergrad serve` with its default flags (every built-in model, XLA where it helps) and
-three tokens: the honest client's, another writer's (the careless one of rows 10 and 13)
-and a reader's (`:ro`, every other attack that needs a token). For each attack, in
-the order of the issue's table (row 0 is no attack: a flood of calls that are answered,
-the reference for the floods of refused ones): the honest probes with the server idle,
+One `pergrad serve` with its default flags (every built-in model, XLA where it helps) but
+for small requests sharing passes (`--max-coalesced-batch 128`, the default where a GPU
+is seen: row 9 attacks the shared passes), and three tokens: the honest client's,
+another writer's (the careless one of rows 10 and 13) and a reader's (`:ro`, every
+other attack that needs a token). For each attack, in the order of the issue's table
+(row 0 is no attack: a flood of calls that are answered, the reference for the floods
+of refused ones): the honest probes with the server idle,
 then again while the attack runs in a process of its own (its Python shares nothing
 with the honest client's), then the attack is killed and the server left a moment to
 let go of it. Every round times each probe once:
@@ -49,6 +51,7 @@ import numpy as np
 
 from pergrad.client import GradientClient
 from pergrad.client.local import LocalServer
+from pergrad.server.config import AUTO_COALESCED_BATCH
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
@@ -428,7 +431,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tokens = Path(scratch) / "tokens"
         tokens.write_text(f"{WRITER}\n{CARELESS_WRITER}\n{READER}:ro\n")
-        with LocalServer("--auth-token-file", str(tokens)) as server:
+        sharing = ("--max-coalesced-batch", str(AUTO_COALESCED_BATCH))
+        with LocalServer("--auth-token-file", str(tokens), *sharing) as server:
             honest = Honest(server)
             honest.rounds(2)  # traces and compiles
             names = " | ".join(f"{name} ms" for name in honest.probes)

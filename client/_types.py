@@ -97,7 +97,8 @@ class MixedPlansWarning(UserWarning):
 @dataclass(frozen=True)
 class ServerLimits:
     """A replica's limits on one gradients request (its flags); over one is
-    RESOURCE_EXHAUSTED. Zero where the server did not say."""
+    RESOURCE_EXHAUSTED. Zero where the server did not say (and, for
+    max_coalesced_batch, where it shares no passes: the default on a CPU)."""
 
     max_batch: int = 0
     max_request_bytes: int = 0

@@ -40,6 +40,9 @@ _LOGGER = logging.getLogger(__name__)
 LANES = 2
 # How often a request waiting for a pass looks whether its call has ended.
 POLL_S = 0.5
+UNRESOLVED_COALESCING = (
+    "--max-coalesced-batch auto must be made a number first (main.with_coalescing_resolved)"
+)
 
 
 def granule_for(engine: Engine, max_coalesced_batch: int) -> int:
@@ -287,6 +290,8 @@ class Coalescers:
         max_coalesced_batch: int,
         on_pass: Callable[[str, int], None] | None = None,
     ) -> None:
+        if max_coalesced_batch is None:
+            raise ValueError(UNRESOLVED_COALESCING)
         self._window_s = window_ms / 1000
         self._max = max_coalesced_batch
         self._on_pass = on_pass

@@ -107,10 +107,10 @@ class Config:
 
     def coalescing_bound(self, gpu: bool) -> int:
         """--max-coalesced-batch as a number, auto resolved: AUTO_COALESCED_BATCH with a
-        GPU, else 0. Measured on CPU (benchmarks/README.md, 2026-12-03 morning), a shared
-        pass never paid: bit-identical rows whatever shares a pass take pass sizes whose
-        kernels round alike (mnist_mlp's 8 examples in a pass of 47, mnist_cnn's in 11) and
-        a reduction outside the pass, while passes held 1.9 requests on average."""
+        GPU, else 0. Measured on a CPU (benchmarks/README.md, 2026-12-03 morning), sharing
+        did not pay (0.84-1.08x): bit-identical rows whatever shares a pass take pass sizes
+        whose kernels round alike (mnist_mlp's 8 examples in a pass of 47, mnist_cnn's in
+        11) and a reduction outside the pass, while passes held 1.9 requests on average."""
         if self.max_coalesced_batch is not None:
             return self.max_coalesced_batch
         return AUTO_COALESCED_BATCH if gpu else 0
@@ -272,7 +272,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("MAX_COALESCED_BATCH", "auto"),
         help="bound on the examples of one shared pass: passes hold the largest power of two "
         "within it and the engine's slice, and requests smaller than that pass size share passes "
-        f"(0: no coalescing; auto: {AUTO_COALESCED_BATCH} where TensorFlow sees a GPU, 0 on CPU)",
+        f"(0: no coalescing; auto, the default: {AUTO_COALESCED_BATCH} where TensorFlow sees a "
+        "GPU, 0 on a CPU)",
     )
     parser.add_argument(
         "--grace",

@@ -57,12 +57,13 @@ def with_coalescing_resolved(config: Config) -> Config:
     (`Config.coalescing_bound`), as every part of the server then reads it."""
     import tensorflow as tf
 
-    bound = config.coalescing_bound(gpu=bool(tf.config.list_physical_devices("GPU")))
-    if config.max_coalesced_batch is None:
-        _LOGGER.info(
-            "--max-coalesced-batch auto: %s",
-            f"{bound} (a GPU is seen)" if bound else "0, no shared passes (CPU only)",
-        )
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    bound = config.coalescing_bound(gpu=gpu)
+    why = "set" if config.max_coalesced_batch is not None else "auto, " + (
+        "a GPU is seen" if gpu else "CPU only"
+    )
+    sharing = "small requests share passes" if bound else "no shared passes"
+    _LOGGER.info("--max-coalesced-batch %d (%s): %s", bound, why, sharing)
     return replace(config, max_coalesced_batch=bound)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from pergrad.server.admission import Admission
 from pergrad.server.auth import caller_of
-from pergrad.server.coalescer import Coalescers
+from pergrad.server.coalescer import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
 from pergrad.server.gradients import Settings, oversized_batch, prepare, responses
@@ -89,6 +89,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         coalescers: Coalescers | None = None,
         admission: Admission | None = None,
     ) -> None:
+        if config.max_coalesced_batch is None:
+            raise ValueError(UNRESOLVED_COALESCING)
         self._registry = registry
         self._config = config
         self.metrics = metrics if metrics is not None else ServerMetrics()

@@ -106,10 +106,24 @@ def test_coalescing_settings_read_their_environment(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["--max-coalesced-batch", "auto"], ["--max-coalesced-batch", "AUTO"]]
+    "argv", [[], ["--max-coalesced-batch", "auto"], ["--max-coalesced-batch", " AUTO "]]
 )
-def test_coalescing_is_auto_by_default_or_when_asked(argv: list[str]) -> None:
+def test_coalescing_is_auto_by_default_or_when_asked(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PERGRAD_MAX_COALESCED_BATCH", raising=False)
     assert parse(argv).max_coalesced_batch is None
+
+
+def test_coalescing_reads_auto_from_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERGRAD_MAX_COALESCED_BATCH", "auto")
+    assert parse([]).max_coalesced_batch is None
+
+
+@pytest.mark.parametrize("value", ["1.5", "", "many"])
+def test_a_coalescing_bound_neither_a_number_nor_auto_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"--max-coalesced-batch .* must be a number or auto"):
+        parse(["--max-coalesced-batch", value])
 
 
 @pytest.mark.parametrize("gpu", [False, True])

@@ -11,9 +11,12 @@ import pytest
 import tensorflow as tf
 
 from pergrad.client import GradientClient
-from pergrad.server.config import Config
-from pergrad.server.main import start
-from tests.helpers import READY, loopback_config
+from pergrad.server.config import AUTO_COALESCED_BATCH, Config
+from pergrad.server.main import start, with_coalescing_resolved
+from pergrad.server.models.registry import ModelRegistry
+from pergrad.server.service import GradientServicer
+from tests.helpers import READY, batch_for, loopback_config
+from tests.prometheus import sample_value, scrape
 
 
 def _config(**overrides: object) -> Config:
@@ -51,13 +54,37 @@ def test_stop_closes_the_metrics_endpoint() -> None:
         urllib.request.urlopen(url, timeout=10)
 
 
-def test_a_started_server_reports_its_coalescing_bound_resolved() -> None:
-    """ModelInfo's limits say what the server does: auto resolved for this machine."""
+def test_a_server_on_auto_reports_and_does_what_this_machine_resolves() -> None:
+    """ModelInfo's limits say the bound auto resolved to here, and a small request shares
+    a pass exactly where that bound is above 0."""
     running = start(loopback_config("mnist_mlp", max_coalesced_batch=None))
     try:
         with GradientClient(f"127.0.0.1:{running.port}") as client:
             limits = client.model_info("mnist_mlp").limits
+            x, y = batch_for((784,), 10, 4)
+            assert client.per_example_gradients(
+                "mnist_mlp", x, y, reduction="norms"
+            ).norms.shape == (4,)
+        exposition = scrape(running.metrics_port)
     finally:
         running.stop(0)
-    gpu = bool(tf.config.list_physical_devices("GPU"))
-    assert limits.max_coalesced_batch == Config().coalescing_bound(gpu=gpu)
+    bound = Config().coalescing_bound(gpu=bool(tf.config.list_physical_devices("GPU")))
+    assert limits.max_coalesced_batch == bound
+    passes = sample_value(exposition, "pergrad_coalesced_pass_requests_count", model="mnist_mlp")
+    assert (passes or 0) == (1 if bound else 0)
+
+
+@pytest.mark.parametrize("gpus", [[], ["/physical_device:GPU:0"]])
+def test_auto_coalescing_is_resolved_by_the_devices_tensorflow_sees(
+    gpus: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: gpus)
+    with caplog.at_level(logging.INFO, logger="pergrad.server.main"):
+        resolved = with_coalescing_resolved(Config())
+    assert resolved.max_coalesced_batch == (AUTO_COALESCED_BATCH if gpus else 0)
+    assert f"--max-coalesced-batch {resolved.max_coalesced_batch} (auto, " in caplog.text
+
+
+def test_a_server_cannot_be_built_with_coalescing_unresolved() -> None:
+    with pytest.raises(ValueError, match="auto must be made a number first"):
+        GradientServicer(ModelRegistry([]), Config())

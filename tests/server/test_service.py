@@ -422,7 +422,7 @@ def test_a_legitimate_header_at_its_widest_is_not_refused_on_size() -> None:
     a served model's header."""
     name = "mnist_mlp"
     served = serve_model(name, BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
-    servicer = GradientServicer(ModelRegistry([served]), Config())
+    servicer = GradientServicer(ModelRegistry([served]), Config(max_coalesced_batch=0))
     variables = [(v.name, wire_dtype(v.dtype), v.shape) for v in served.engine.variables]
     data = _widest_header(name, variables)
     parsed = pb.WeightsMessage.FromString(data).header
