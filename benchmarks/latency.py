@@ -125,11 +125,11 @@ class Phases:
     def __init__(self, served: ServedModel, info: Any, x: np.ndarray, y: np.ndarray, mode: str):
         config = Config()
         self.served, self.engine = served, served.engine
-        self.settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
         self.admission = Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
         bound = with_coalescing_resolved(config).max_coalesced_batch
+        self.settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name, bound)
         self.coalescer = (
             Coalescer(
                 self.engine,

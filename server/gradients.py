@@ -16,8 +16,9 @@ from functools import partial
 import numpy as np
 
 from pergrad.server.admission import Admission
-from pergrad.server.coalescer import Coalescer
-from pergrad.server.engine import Batch
+from pergrad.server.coalescer import Coalescer, granule_for
+from pergrad.server.engine import Batch, Engine
+from pergrad.server.engine.engine import fingerprint
 from pergrad.server.engine.group import Job
 from pergrad.server.engine.sinks import Sink
 from pergrad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
@@ -47,6 +48,20 @@ class Settings:
     max_batch: int
     chunk_bytes: int
     replica_name: str
+    max_coalesced_batch: int = 0
+
+
+def served_plan(engine: Engine, max_coalesced_batch: int) -> tuple[str, str]:
+    """What a replica reports of how it computes a model, and its fingerprint: the
+    engine's plan and whether small requests share passes, which decides their bits too
+    (a shared pass's rows are reduced outside it, a request alone inside its own)."""
+    if max_coalesced_batch:
+        granule = granule_for(engine, max_coalesced_batch)
+        sharing = f"requests of fewer than {granule} examples share passes"
+    else:
+        sharing = "no shared passes"
+    text = f"{engine.plan_text}; {sharing}"
+    return text, fingerprint(text)
 
 
 @dataclass(frozen=True)
@@ -196,7 +211,7 @@ def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeade
         batch_size=work.batch.size,
         server=settings.replica_name,
         outputs=outputs,
-        plan_id=work.served.engine.plan_id,
+        plan_id=served_plan(work.served.engine, settings.max_coalesced_batch)[1],
     )
 
 

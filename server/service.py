@@ -16,7 +16,13 @@ from pergrad.server.auth import caller_of
 from pergrad.server.coalescer import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
-from pergrad.server.gradients import Settings, oversized_batch, prepare, responses
+from pergrad.server.gradients import (
+    Settings,
+    oversized_batch,
+    prepare,
+    responses,
+    served_plan,
+)
 from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
@@ -98,7 +104,9 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         self._admission = admission or Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
-        self._settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
+        self._settings = Settings(
+            config.max_batch, config.chunk_bytes, config.replica_name, config.max_coalesced_batch
+        )
         self._header_bound = _header_bound(registry)
 
     def oversized_header(self, data: bytes) -> InvalidArgument | None:
@@ -151,6 +159,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.ModelInfo:
         served = self._registry.get(request.model)
         engine = served.engine
+        plan, plan_id = served_plan(engine, self._settings.max_coalesced_batch)
         return pb.ModelInfo(
             name=served.name,
             model_version=served.weights.current.version,
@@ -169,8 +178,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 max_inflight_bytes=self._config.max_inflight_bytes,
                 max_coalesced_batch=self._config.max_coalesced_batch,
             ),
-            plan=engine.plan_text,
-            plan_id=engine.plan_id,
+            plan=plan,
+            plan_id=plan_id,
             loss_dtype=wire_dtype(engine.loss_dtype),
             optimizer=served.trainer.description,
         )

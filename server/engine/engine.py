@@ -113,6 +113,11 @@ def _variable_specs(model: keras.Model) -> tuple[VariableSpec, ...]:
     return specs
 
 
+
+def fingerprint(plan: str) -> str:
+    """A short fingerprint of a plan's text (ModelInfo.plan_id)."""
+    return hashlib.blake2b(plan.encode(), digest_size=6).hexdigest()
+
 class Engine:
     """Per-example gradients of `model` under `loss` (default: the model's compiled loss).
 
@@ -183,7 +188,7 @@ class Engine:
     @functools.cached_property
     def plan_id(self) -> str:
         """A short fingerprint of `plan_text`: equal on replicas that compute the same bits."""
-        return hashlib.blake2b(self.plan_text.encode(), digest_size=6).hexdigest()
+        return fingerprint(self.plan_text)
 
     @property
     def takes_any_pass_size(self) -> bool:

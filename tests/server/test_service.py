@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError, ServerLimits
 from pergrad.server.config import AUTO_COALESCED_BATCH, Config
-from pergrad.server.main import SERVICE_NAME, RunningServer
+from pergrad.server.main import SERVICE_NAME, RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.registry import ModelRegistry, serve_model
 from pergrad.server.service import GradientServicer
@@ -25,7 +25,7 @@ from pergrad.wire.chunks import Part, decode_response
 from pergrad.wire.codec import TensorAssembler, wire_dtype
 from pergrad.wire.messages import gradients_request
 from tests import oracle
-from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for
+from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for, loopback_config
 
 
 def _served_model(name: str, model_dir: Path | None) -> tuple[keras.Model, Any]:
@@ -87,6 +87,26 @@ def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) 
     assert client.per_example_gradients("mnist_mlp", x, y, reduction="norms").plan_id == (
         info.plan_id
     )
+
+
+def test_replicas_that_share_passes_and_one_that_does_not_report_different_plans() -> None:
+    """A small request's bits depend on whether it shares passes (a shared pass's rows
+    are reduced outside it): replicas differing there must not report one plan_id."""
+    infos, results = [], []
+    x, y = batch_for((784,), 10, 4)
+    for bound in (AUTO_COALESCED_BATCH, 0):
+        running = start(loopback_config("mnist_mlp", max_coalesced_batch=bound))
+        try:
+            with GradientClient(f"127.0.0.1:{running.port}") as client:
+                infos.append(client.model_info("mnist_mlp"))
+                results.append(client.per_example_gradients("mnist_mlp", x, y, reduction="norms"))
+        finally:
+            running.stop(0)
+    shared, alone = infos
+    assert shared.plan_id != alone.plan_id
+    assert shared.plan.endswith(f"fewer than {AUTO_COALESCED_BATCH} examples share passes")
+    assert alone.plan.endswith("no shared passes")
+    assert [r.plan_id for r in results] == [shared.plan_id, alone.plan_id]
 
 
 @pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn", KERAS_MODEL_NAME])
