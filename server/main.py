@@ -59,8 +59,10 @@ def with_coalescing_resolved(config: Config) -> Config:
 
     gpu = bool(tf.config.list_physical_devices("GPU"))
     bound = config.coalescing_bound(gpu=gpu)
-    why = "set" if config.max_coalesced_batch is not None else "auto, " + (
-        "a GPU is seen" if gpu else "CPU only"
+    why = (
+        "set"
+        if config.max_coalesced_batch is not None
+        else "auto, " + ("a GPU is seen" if gpu else "CPU only")
     )
     sharing = "small requests share passes" if bound else "no shared passes"
     _LOGGER.info("--max-coalesced-batch %d (%s): %s", bound, why, sharing)

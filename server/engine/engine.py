@@ -113,10 +113,10 @@ def _variable_specs(model: keras.Model) -> tuple[VariableSpec, ...]:
     return specs
 
 
-
 def fingerprint(plan: str) -> str:
     """A short fingerprint of a plan's text (ModelInfo.plan_id)."""
     return hashlib.blake2b(plan.encode(), digest_size=6).hexdigest()
+
 
 class Engine:
     """Per-example gradients of `model` under `loss` (default: the model's compiled loss).
