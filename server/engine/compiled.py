@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import keras
@@ -70,6 +70,16 @@ class FlatCall:
         return self._concrete._call_flat(flat, self._concrete.captured_inputs)
 
 
+def _values_reader(variables: Sequence[Any]) -> Callable[[], list[tf.Tensor]]:
+    """The variables' values now, read in one graph: handed to a compiled pass one by one,
+    each was read and copied through numpy (0.19 ms a variable here: cnn_batch_norm's
+    four batch-norm statistics took 0.76 of its 2.3 ms call)."""
+    if not variables:
+        return list
+    read = FlatCall(tf.function(lambda: [tf.identity(v.value) for v in variables]))
+    return lambda: list(read())
+
+
 def bucket(count: int, cap: int) -> int:
     """The padded size for a slice of `count` examples: a power of two, at most `cap`."""
     return min(cap, 1 << (count - 1).bit_length())
@@ -100,7 +110,7 @@ class CompiledPass:
             vectorize=jit or pfor,
             in_pass=in_pass,
         )
-        self._non_trainable = [v.value for v in model.non_trainable_variables]
+        self._non_trainable = _values_reader(model.non_trainable_variables)
         self._vectorized = bool(plan.fallback)
         self._auto = jit_compile == "auto"
         self.slice_cap = 1
@@ -140,7 +150,7 @@ class CompiledPass:
         count = y.shape[0]
         xs, y = self._padded(xs, y)
         function = self._function(y.shape[0])
-        losses, grads = function(list(weights), self._non_trainable, list(xs), y)
+        losses, grads = function(list(weights), self._non_trainable(), list(xs), y)
         kept = slice(0, count)
         return losses.numpy()[kept], {p: rows(to_numpy(g), kept) for p, g in grads.items()}
 
@@ -159,7 +169,7 @@ class CompiledPass:
         real = np.zeros(y.shape[0], np.float32)
         real[:count] = 1
         losses, outputs = function(
-            list(weights), self._non_trainable, list(xs), y, real, np.float32(max_norm)
+            list(weights), self._non_trainable(), list(xs), y, real, np.float32(max_norm)
         )
         result = {"squares": outputs["squares"].numpy()[:, :count]}
         if "sums" in outputs:

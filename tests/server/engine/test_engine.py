@@ -17,6 +17,7 @@ from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from tests import oracle
 from tests.helpers import assert_close, batch_for, tabular_model
+from tests.zoo import FAMILIES
 
 
 def _model_and_loss(name: str) -> tuple[keras.Model, Any]:
@@ -118,6 +119,19 @@ def test_each_call_computes_with_the_models_values_of_that_moment() -> None:
     for v in engine.model.trainable_variables:
         v.assign(v.value * 2)
     _, grads = oracle.per_example(engine.model, loss, x, y)
+    assert_close(engine.per_example_gradients(x, y).gradients, grads)
+
+
+def test_each_call_computes_with_the_models_statistics_of_that_moment() -> None:
+    """Non-trainable values (batch norm's moving statistics) are read as each pass runs,
+    like the trainable ones: a trainer that updates them between calls is heard."""
+    model, loss = FAMILIES["cnn_batch_norm"].build()
+    engine = Engine(model, loss=loss, jit_compile=False)
+    x, y = FAMILIES["cnn_batch_norm"].batch(model, 4)
+    engine.per_example_gradients(x, y)
+    for v in model.non_trainable_variables:
+        v.assign(v.value * 1.5)
+    _, grads = oracle.per_example(model, loss, x, y)
     assert_close(engine.per_example_gradients(x, y).gradients, grads)
 
 
