@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
 from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
-from pergrad.server.engine.compiled import CompiledPass, FlatCall, JitCompile
+from pergrad.server.engine.compiled import CompiledPass, JitCompile, values_reader
 from pergrad.server.engine.grads import Grad, Outer, Scatter
 from pergrad.server.engine.ids import ComputedIds
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
@@ -157,9 +157,7 @@ class Engine:
         self.num_parameters = sum(int(np.prod(v.shape)) for v in self.variables)
         self.plan = make_plan(model, registry or default_registry())
         self._computed_ids = ComputedIds(model)
-        self._read_weights = FlatCall(
-            tf.function(lambda: [tf.identity(v.value) for v in model.trainable_variables])
-        )
+        self._read_weights = values_reader(model.trainable_variables)
         self._pass = CompiledPass(
             model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
         )
@@ -231,9 +229,8 @@ class Engine:
         return sum(t[0].nbytes for t in factors)
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
-        """The model's own trainable values now, as immutable tensors, read in one graph:
-        read one by one from Python they were much of a small model's in-process call
-        (`benchmarks/zoo.py`, mlp: 1.31x vectorized_map's time before, 0.97x after)."""
+        """The model's own trainable values now, as immutable tensors (`values_reader`:
+        `benchmarks/zoo.py`, mlp 1.31x vectorized_map's time read one by one, 0.97x so)."""
         return tuple(self._read_weights())
 
     def weights(self, trainable: Sequence[tf.Tensor] | None) -> tuple[tf.Tensor, ...]:

@@ -37,7 +37,8 @@ _U64 = np.uint64
 # Streams this long or longer fill on every core (below, handing over costs more).
 PARALLEL_ENTRIES = 1 << 15
 # Words turned into Gaussians at a time: Box-Muller's float64 temporaries take ~60 bytes
-# an entry, so a model's noise made whole (23.6M entries: 1.35 GB) is made by blocks.
+# an entry, so a model's noise made whole (23.6M entries: 1.35 GB), or one long stream,
+# is made by blocks.
 BLOCK_WORDS = 1 << 19
 
 
@@ -104,14 +105,16 @@ def rademacher(key: int, start: int, count: int) -> np.ndarray:
 
 def gaussian(key: int, start: int, count: int) -> np.ndarray:
     """Entries [start, start + count) of the Gaussian stream `key`, float32: each entry a
-    function of its index alone, so parts of the range fill on every core at once."""
+    function of its index alone, so parts of the range fill on every core at once, each
+    by blocks (a projection's cached matrix is one stream of up to millions of entries)."""
     out = np.empty(count, np.float32)
 
     def fill(part: slice) -> None:
-        low = start + part.start
-        first = low // 2
-        words = _bits(key, first, (start + part.stop + 1) // 2 - first)
-        out[part] = _box_muller(words)[low - 2 * first : low - 2 * first + len(out[part])]
+        for block in _blocks(part, 2 * BLOCK_WORDS):
+            low = start + block.start
+            first = low // 2
+            words = _bits(key, first, (start + block.stop + 1) // 2 - first)
+            out[block] = _box_muller(words)[low - 2 * first : low - 2 * first + len(out[block])]
 
     on_cores(count, fill, serial=count < PARALLEL_ENTRIES, align=2)
     return out

@@ -84,10 +84,12 @@ def test_many_streams_made_together_are_each_stream_made_alone(counts: list[int]
 def test_streams_made_by_small_blocks_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     keys, counts = [3, 4, 5], [11, 2 * random_streams.PARALLEL_ENTRIES + 1, 6]
     whole = random_streams.gaussians(keys, counts)
+    one = random_streams.gaussian(7, 13, 2 * random_streams.PARALLEL_ENTRIES + 9)
     monkeypatch.setattr(random_streams, "BLOCK_WORDS", 5)
     assert [a.tobytes() for a in random_streams.gaussians(keys, counts)] == [
         a.tobytes() for a in whole
     ]
+    assert random_streams.gaussian(7, 13, len(one)).tobytes() == one.tobytes()
     assert [len(a) for a in random_streams.secure_gaussians(counts)] == counts
 
 
