@@ -462,8 +462,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "mlp": Family(mlp, _class_batch((10,), 5), ruled=True, jit_compile="auto"),
     "cnn_batch_norm": Family(cnn_batch_norm, _class_batch((9, 9, 3), 4), ruled=True, size=4),
-    # SeparableConv2D has no rule: its kernels take the generic route.
-    "depthwise_separable": Family(depthwise_separable, _class_batch((8, 8, 3), 4), ruled=False),
+    "depthwise_separable": Family(depthwise_separable, _class_batch((8, 8, 3), 4), ruled=True),
     # The keras.applications families: two examples (one clipped, one not), the fewest
     # that tell examples apart, since their float64 oracle costs seconds an example.
     "mobilenet_v3_small": Family(

@@ -16,18 +16,27 @@ from pergrad.server.engine.rules import Rule
 from pergrad.server.engine.rules.conv import applies_to_conv, patches_2d
 
 
+def depthwise_kernel_grad(kernel: keras.Variable, patches: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """Each example's gradient [B, *kernel.shape] of a depthwise kernel [*window, C, M],
+    from its receptive fields `patches` [B, ..., prod(window) * C] and the gradient `g`
+    [B, ..., C * M] of the depthwise output (channel c * M + m)."""
+    *window, channels, multiplier = kernel.shape
+    batch = tf.shape(patches)[0]
+    patches = tf.reshape(patches, [batch, -1, math.prod(window), channels])
+    g = tf.reshape(g, [batch, -1, channels, multiplier])
+    return tf.reshape(tf.einsum("bpkc,bpcm->bkcm", patches, g), [-1, *kernel.shape])
+
+
 def per_example(
     layer: keras.layers.DepthwiseConv2D, inputs: tf.Tensor, output_grad: tf.Tensor
 ) -> dict[str, Grad]:
-    *window, channels, multiplier = layer.kernel.shape
-    batch = tf.shape(inputs)[0]
-    patches = tf.reshape(patches_2d(layer, inputs), [batch, -1, math.prod(window), channels])
-    g = tf.reshape(output_grad, [batch, -1, channels, multiplier])
-    kernel = tf.einsum("bpkc,bpcm->bkcm", patches, g)
-    grads: dict[str, Grad] = {layer.kernel.path: tf.reshape(kernel, [-1, *layer.kernel.shape])}
+    kernel = depthwise_kernel_grad(layer.kernel, patches_2d(layer, inputs), output_grad)
+    grads: dict[str, Grad] = {layer.kernel.path: kernel}
     if layer.use_bias:
+        batch = tf.shape(output_grad)[0]
         grads[layer.bias.path] = tf.reduce_sum(
-            tf.reshape(output_grad, [batch, -1, channels * multiplier]), 1
+            tf.reshape(output_grad, [batch, -1, layer.kernel.shape[-2] * layer.kernel.shape[-1]]),
+            1,
         )
     return grads
 

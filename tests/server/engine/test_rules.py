@@ -84,6 +84,43 @@ CASES: dict[str, Callable[[], keras.Model]] = {
             3, depth_multiplier=2, padding="same", depthwise_initializer=_init(5)
         )(x),
     ),
+    "separable_conv2d_strided": lambda: _model(
+        (9, 9, 3),
+        lambda x: L.SeparableConv2D(
+            4,
+            3,
+            strides=2,
+            padding="same",
+            depth_multiplier=2,
+            activation="relu",
+            depthwise_initializer=_init(15),
+            pointwise_initializer=_init(16),
+            bias_initializer=_init(17),
+        )(x),
+    ),
+    "separable_conv2d_dilated_no_bias": lambda: _model(
+        (10, 10, 2),
+        lambda x: L.SeparableConv2D(
+            3,
+            (3, 2),
+            dilation_rate=2,
+            use_bias=False,
+            depthwise_initializer=_init(15),
+            pointwise_initializer=_init(16),
+        )(x),
+    ),
+    "separable_conv1d": lambda: _model(
+        (12, 3),
+        lambda x: L.SeparableConv1D(
+            4,
+            3,
+            depth_multiplier=3,
+            activation="tanh",
+            depthwise_initializer=_init(15),
+            pointwise_initializer=_init(16),
+            bias_initializer=_init(17),
+        )(x),
+    ),
     "embedding": lambda: _model(
         (7,), lambda x: L.Embedding(20, 4, embeddings_initializer=_init(6))(x), dtype="int32"
     ),
@@ -256,7 +293,10 @@ def test_capturing_leaves_the_model_unchanged() -> None:
     np.testing.assert_array_equal(np.asarray(model(x)), before)
 
 
-@pytest.mark.parametrize("case", ["conv2d_dilated_grouped", "embedding", "layer_norm", "dense"])
+@pytest.mark.parametrize(
+    "case",
+    ["conv2d_dilated_grouped", "separable_conv2d_strided", "embedding", "layer_norm", "dense"],
+)
 def test_xla_compiled_rule_matches_keras_oracle(case: str) -> None:
     engine = Engine(CASES[case](), loss=LOSS, jit_compile=True)
     assert "XLA on" in engine.summary
