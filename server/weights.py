@@ -190,9 +190,7 @@ def _check_new_version(new_version: int) -> None:
         raise InvalidArgument(f"new_version: must be in [0, 2^62], got {new_version}")
 
 
-def _applied(
-    current: Snapshot, expected_version: int, expected_id: str, new_version: int
-) -> int:
+def _applied(current: Snapshot, expected_version: int, expected_id: str, new_version: int) -> int:
     """The version an update gets over `current`, if its compare-and-swap holds."""
     if expected_version and expected_version != current.version:
         raise FailedPrecondition(
