@@ -216,6 +216,29 @@ def expensive_small_requests(target: str, metrics_url: str, stop: threading.Even
     _in_loops(4, _unary(target, SERVICE + "ComputePerExampleGradients", request, READER), stop)
 
 
+def many_small_fields(target: str, metrics_url: str, stop: threading.Event) -> None:
+    """2 callers of the reader's token alternating two gradients requests of many small
+    fields, each under 1 MiB: 80,000 `dot` references, and 80,000 variable names."""
+    x, y = _batch(8)
+    references = pb.GradientsRequest(model="mnist_mlp", reduction=pb.REDUCTION_DOT)
+    for i in range(80_000):
+        references.reference[f"v{i}"].CopyFrom(tensor_pb2.Tensor())
+    names = _gradients(
+        "mnist_mlp", x, y, reduction=pb.REDUCTION_NORMS, variables=[f"v{i}" for i in range(80_000)]
+    )
+    method = SERVICE + "ComputePerExampleGradients"
+    bodies = [
+        _unary(target, method, request, READER)
+        for request in (references.SerializeToString(), names)
+    ]
+
+    def both() -> None:
+        for body in bodies:
+            body()
+
+    _in_loops(2, both, stop)
+
+
 def _set_weights(target: str, messages: list[pb.WeightsMessage]) -> Callable[[], None]:
     """One SetWeights of these messages by a writer other than the honest client."""
     channel = grpc.insecure_channel(target)
@@ -305,6 +328,10 @@ ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
     12: ("dot references holding NaN or of no shape, 2 callers", bad_dot_references),
     13: ("SetWeights to version 2^62, 2 callers", versions_far_ahead),
     14: ("health Watches cancelled as they open, 4 callers", watches_cancelled_as_they_open),
+    15: (
+        "requests of 80,000 small fields (dot references, variable names), 2 callers",
+        many_small_fields,
+    ),
 }
 
 

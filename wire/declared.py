@@ -1,5 +1,6 @@
 """What a request's bytes declare, read without parsing it: a gradients request's tensors'
-batch sizes and its id, a step's model, exactly as protobuf (upb) would parse them.
+batch sizes and its id, a step's model, exactly as protobuf (upb) would parse them, and
+whether it holds more fields than any request to the server's models could.
 
 So the server refuses a batch over its limit before parsing the request (a 57 MiB
 request took upb 50-120 ms to parse, holding the GIL). Where the bytes cannot be read
@@ -52,6 +53,30 @@ def declared_batches(data: bytes, in_field: int = 0) -> Iterator[tuple[str, int]
         batch = _first_dimension(reader, values)
         if batch is not None:
             yield f"inputs[{quoted(name)}]", batch
+
+
+def holds_over(data: bytes, limit: int, in_field: int = 0) -> bool:
+    """Whether the message in `data` holds over `limit` fields at its top level, or, with
+    `in_field`, so does the message in any such field of it: read field by field, no
+    further than that. Bytes that cannot be read say no: the parser refuses them."""
+    over, spans = _over(data, limit, in_field)
+    return over or any(_over(data, limit, 0, start, end)[0] for start, end in spans)
+
+
+def _over(
+    data: bytes, limit: int, in_field: int, start: int = 0, end: int | None = None
+) -> tuple[bool, list[tuple[int, int]]]:
+    """(whether data[start:end] holds over `limit` top-level fields, the spans of its
+    fields `in_field` among those read)."""
+    count, spans = 0, []
+    try:
+        for field in Reader(data, budget=limit + 1).fields(start, end):
+            count += 1
+            if field.number == in_field and field.wire_type == LENGTH_DELIMITED:
+                spans.append((field.start, field.end))
+    except Unreadable:
+        pass
+    return count > limit, spans
 
 
 def declared_request_id(data: bytes) -> int:

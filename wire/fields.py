@@ -81,9 +81,9 @@ class Reader:
     reading nests (Unreadable past them), so no layout of small fields makes the
     reading cost more than a few ms."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, budget: int = MAX_SCANNED) -> None:
         self.data = data
-        self._left = MAX_SCANNED
+        self._budget = self._left = budget
 
     def fields(self, start: int = 0, end: int | None = None) -> Iterator[Field]:
         """The fields of the message in data[start:end], in order."""
@@ -91,7 +91,7 @@ class Reader:
         at = start
         while at != end:
             if not self._left:
-                raise Unreadable(f"over {MAX_SCANNED} fields")
+                raise Unreadable(f"over {self._budget} fields")
             self._left -= 1
             try:
                 field = _field(self.data, at)

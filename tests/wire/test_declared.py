@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.declared import declared_batches, declared_model, declared_request_id
+from pergrad.wire.declared import (
+    declared_batches,
+    declared_model,
+    declared_request_id,
+    holds_over,
+)
 from pergrad.wire.fields import Unreadable
 from pergrad.wire.text import quoted
 
@@ -166,3 +171,35 @@ def test_many_small_fields_are_unreadable_however_they_nest() -> None:
     part = _delimited(INPUTS, b"\x08\x00" * 100)
     with pytest.raises(Unreadable):
         list(declared_batches(part * 100))
+
+
+field = st.one_of(
+    unknown,
+    st.builds(lambda t: _delimited(INPUTS, t), tensor),
+    st.builds(lambda e: _delimited(NAMED, e), entry),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(field, max_size=12), st.integers(0, 14))
+def test_a_message_holds_over_a_bound_as_its_top_level_fields_count(
+    fields: list[bytes], limit: int
+) -> None:
+    """However the fields nest (tensors, map entries): only the top level counts."""
+    assert holds_over(b"".join(fields), limit) == (len(fields) > limit)
+
+
+def test_a_step_requests_batch_holds_over_a_bound_in_its_field() -> None:
+    names = [f"v{i}" for i in range(10)]
+    many = pb.StepRequest(model="m", batch=pb.GradientsRequest(variables=names))
+    few = pb.StepRequest(model="m", batch=pb.GradientsRequest(variables=names[:3]))
+    batch = pb.StepRequest.BATCH_FIELD_NUMBER
+    assert holds_over(many.SerializeToString(), 5, batch)
+    assert not holds_over(many.SerializeToString(), 5)
+    assert not holds_over(few.SerializeToString(), 5, batch)
+
+
+def test_bytes_ending_mid_field_hold_over_no_bound() -> None:
+    """The parser refuses them; reading counts only what it could read."""
+    data = _key(REQUEST_ID, 0) + _varint(1) + _delimited(7, b"abc")[:-1]
+    assert not holds_over(data, 1)
