@@ -147,6 +147,37 @@ def answered_health_checks(target: str, metrics_url: str, stop: threading.Event)
     _in_loops(4, lambda: check(b"", timeout=PROBE_TIMEOUT_S), stop)
 
 
+def large_health_checks(target: str, metrics_url: str, stop: threading.Event) -> None:
+    """8 callers without a token, each on a connection of its own, sending health Checks
+    of 57 MiB (an unknown field: a valid request) in tight loops."""
+    padding = tensor_pb2.Tensor(content=bytes(57 << 20)).SerializeToString()
+    request = _unknown_field(99, padding)
+
+    def body() -> None:
+        channel = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        check = channel.unary_unary(HEALTH + "Check")
+        while not stop.is_set():
+            with contextlib.suppress(grpc.RpcError):
+                check(request, timeout=PROBE_TIMEOUT_S)
+
+    for _ in range(8):
+        threading.Thread(target=body, daemon=True).start()
+    stop.wait()
+
+
+def _unknown_field(number: int, value: bytes) -> bytes:
+    """A length-delimited field no message of the protos declares."""
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
 def silent_health_checks(target: str, metrics_url: str, stop: threading.Event) -> None:
     _hold_open(target, HEALTH + "Check", None, 70, stop)
 
@@ -332,6 +363,7 @@ ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
         "requests of 80,000 small fields (dot references, variable names), 2 callers",
         many_small_fields,
     ),
+    16: ("8 callers without a token sending 57 MiB health Checks", large_health_checks),
 }
 
 
