@@ -4,9 +4,9 @@ One `pergrad serve` with its default flags (every built-in model, XLA where it h
 for small requests sharing passes (`--max-coalesced-batch 128`, the default where a GPU
 is seen: row 9 attacks the shared passes), and three tokens: the honest client's,
 another writer's (the careless one of rows 10 and 13) and a reader's (`:ro`, every
-other attack that needs a token). For each attack, in the order of the issue's table
-(row 0 is no attack: a flood of calls that are answered, the reference for the floods
-of refused ones): the honest probes with the server idle,
+other attack that needs a token). For each attack, in the order of the issue's table,
+then the ways in found since (rows 15 and 16; row 0 is no attack: a flood of calls that
+are answered, the reference for the floods of refused ones): the honest probes with the server idle,
 then again while the attack runs in a process of its own (its Python shares nothing
 with the honest client's), then the attack is killed and the server left a moment to
 let go of it. Every round times each probe once:
