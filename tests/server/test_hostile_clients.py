@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
-from pergrad.server.guard import EVICTABLE_AFTER_S, OPEN_SHARE
+from pergrad.server.guard import EVICTABLE_AFTER_S, OPEN_REQUEST_BYTES, OPEN_SHARE
 from pergrad.server.main import (
     OPEN_CALLS,
     OPEN_STREAMS,
@@ -131,6 +131,36 @@ def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
         assert _list_models(channel) == ["mnist_mlp"]
         for stream in streams:
             stream.cancel()
+
+
+@pytest.mark.parametrize(
+    ("method", "streaming"),
+    [
+        ("/grpc.health.v1.Health/Check", False),
+        ("/grpc.health.v1.Health/Watch", False),
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
+    ],
+    ids=["check", "watch", "reflection"],
+)
+def test_large_requests_to_open_services_are_refused_unparsed(
+    server: RunningServer, method: str, streaming: bool
+) -> None:
+    """Over OPEN_REQUEST_BYTES, refused before protobuf parses them (bytes that end
+    mid-field: parsed, they would not be RESOURCE_EXHAUSTED), no token needed to send
+    them; and health answers on."""
+    data = bytes([15 << 3 | 2, 0x80, 0x80, 0x04]) + bytes(OPEN_REQUEST_BYTES)  # 64 KiB declared
+    with grpc.insecure_channel(_target(server)) as channel:
+        if streaming:
+            call = channel.stream_stream(method)(iter([data]), timeout=30)
+        else:
+            call = channel.unary_stream(method)(data, timeout=30)
+        err = _raw_call_error(call)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"a request of {len(data)} bytes; health and reflection take" in err.details()
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check", response_deserializer=_HealthReply
+        )
+        assert check(b"", timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_watch_streams_beyond_their_bound_are_refused_and_other_calls_go_on(guarded) -> None:
