@@ -25,7 +25,10 @@ two over the probes; the honest calls that failed; the server's RSS (idle median
 peak under attack); and the server's CPU time under attack over the calls it answered
 meanwhile (the attacker's and the probes'): what each refused call of a flood costs it.
 
-  python benchmarks/attacks.py [--rows 1 2 9] [--rounds 10]
+With `--open-services-port`, the server gives health and reflection a port of their own
+(the check probe, and the attacks on them, go there).
+
+  python benchmarks/attacks.py [--rows 1 2 9] [--rounds 10] [--open-services-port]
 """
 
 from __future__ import annotations
@@ -343,6 +346,14 @@ def watches_cancelled_as_they_open(target: str, metrics_url: str, stop: threadin
     _in_loops(4, body, stop)
 
 
+# The attacks on health and reflection: sent where those answer (`--open-services-port`).
+ON_OPEN_SERVICES = {
+    answered_health_checks,
+    silent_health_checks,
+    watches_cancelled_as_they_open,
+    large_health_checks,
+}
+
 ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
     0: ("reference: 4 callers of health Check in tight loops, answered", answered_health_checks),
     1: ("70 health Checks that never send their request, no token", silent_health_checks),
@@ -382,7 +393,8 @@ class Honest:
 
     def __init__(self, server: LocalServer) -> None:
         self.client = GradientClient(server.target, token=WRITER, timeout=PROBE_TIMEOUT_S)
-        self.channel = grpc.insecure_channel(server.target)
+        self.channel = grpc.insecure_channel(server.health_target)
+        self.health_target = server.health_target
         self.metrics_url = server.metrics_url
         self.pid = server.process.pid
         _, self.weights = self.client.get_weights("mnist_mlp")
@@ -455,6 +467,8 @@ def _row(row: int, honest: Honest, target: str, rounds: int) -> str:
     idle, _, idle_rss = honest.rounds(rounds)
     spawn = multiprocessing.get_context("spawn")
     stop = spawn.Event()
+    if ATTACKS[row][1] in ON_OPEN_SERVICES:
+        target = honest.health_target
     attacker = spawn.Process(
         target=_attack_process, args=(row, target, honest.metrics_url, stop), daemon=True
     )
@@ -486,12 +500,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", type=int, default=list(ATTACKS), choices=ATTACKS)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--open-services-port",
+        action="store_true",
+        help="give health and reflection a port of their own (the attacks on them go there)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         tokens = Path(scratch) / "tokens"
         tokens.write_text(f"{WRITER}\n{CARELESS_WRITER}\n{READER}:ro\n")
         sharing = ("--max-coalesced-batch", str(AUTO_COALESCED_BATCH))
-        with LocalServer("--auth-token-file", str(tokens), *sharing) as server:
+        own_port = ("--open-services-port", "0") if args.open_services_port else ()
+        with LocalServer("--auth-token-file", str(tokens), *sharing, *own_port) as server:
             honest = Honest(server)
             honest.rounds(2)  # traces and compiles
             names = " | ".join(f"{name} ms" for name in honest.probes)

@@ -16,7 +16,10 @@ import threading
 from collections import deque
 from types import TracebackType
 
-READY = re.compile(r"pergrad ready on (\S+:\d+).* metrics on (http://\S+)")
+READY = re.compile(
+    r"pergrad ready on ((\S+):\d+).* \(health and reflection on port (\d+)\).* metrics on "
+    r"(http://\S+)"
+)
 # The server drains for --grace (10 s by default) and exits within 20 s after it.
 STOP_TIMEOUT_S = 60.0
 LOG_TAIL = 1000
@@ -24,8 +27,8 @@ LOG_TAIL = 1000
 
 class LocalServer:
     """Starts `pergrad serve --host 127.0.0.1 --port 0 --metrics-port 0 FLAGS...` and
-    waits for its ready line (`target`, `metrics_url`); the log is drained in a thread so
-    the child never blocks."""
+    waits for its ready line (`target`, `health_target`: where health and reflection
+    answer, `metrics_url`); the log is drained in a thread so the child never blocks."""
 
     def __init__(self, *flags: str) -> None:
         self.process = subprocess.Popen(
@@ -48,7 +51,8 @@ class LocalServer:
         self.log: deque[str] = deque(maxlen=LOG_TAIL)
         for line in self.process.stderr:
             if match := READY.search(line):
-                self.target, self.metrics_url = match.group(1), match.group(2)
+                self.target, self.metrics_url = match.group(1), match.group(4)
+                self.health_target = f"{match.group(2)}:{match.group(3)}"
                 self._reader = threading.Thread(
                     target=self.log.extend, args=(self.process.stderr,), daemon=True
                 )

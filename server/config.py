@@ -71,6 +71,7 @@ class Config:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int | None = None  # None: port + METRICS_PORT_OFFSET (0 with port 0)
+    open_services_port: int | None = None  # None: health and reflection on `port` too
     models: tuple[str, ...] = ()
     model_dir: Path | None = None
     loss: str | None = None
@@ -121,7 +122,11 @@ class Config:
         return self.workers + self.max_queued_calls
 
     def validate(self) -> Config:
-        for flag, port in [("--port", self.port), ("--metrics-port", self.metrics_port)]:
+        for flag, port in [
+            ("--port", self.port),
+            ("--metrics-port", self.metrics_port),
+            ("--open-services-port", self.open_services_port or 0),
+        ]:
             if not 0 <= port <= 65535:
                 raise ConfigError(
                     f"{flag} must be in [0, 65535], got {port} (--metrics-port defaults to "
@@ -129,6 +134,12 @@ class Config:
                 )
         if self.metrics_port == self.port != 0:
             raise ConfigError(f"--metrics-port must differ from --port, both are {self.port}")
+        if self.open_services_port and self.open_services_port in (self.port, self.metrics_port):
+            raise ConfigError(
+                f"--open-services-port must differ from --port and --metrics-port, got "
+                f"{self.open_services_port} (leave it unset to serve health and reflection "
+                "on --port)"
+            )
         for flag, value in [
             ("--max-batch", self.max_batch),
             ("--max-request-bytes", self.max_request_bytes),
@@ -203,6 +214,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("METRICS_PORT", None),
         help=f"HTTP port of the Prometheus /metrics endpoint (default: --port + "
         f"{METRICS_PORT_OFFSET}, 50151); 0 picks a free port",
+    )
+    parser.add_argument(
+        "--open-services-port",
+        default=_env("OPEN_SERVICES_PORT", None),
+        help="serve the health service and reflection (no token needed) on a port of their "
+        "own, whose requests gRPC refuses over 4 KiB before Python copies them; --port then "
+        "serves GradientService alone (default: both on --port); 0 picks a free port",
     )
     parser.add_argument(
         "--model",
@@ -360,6 +378,9 @@ def from_args(args: argparse.Namespace) -> Config:
         host=args.host,
         port=_number(args, "port", int),
         metrics_port=None if args.metrics_port is None else _number(args, "metrics_port", int),
+        open_services_port=(
+            None if args.open_services_port is None else _number(args, "open_services_port", int)
+        ),
         models=tuple(args.models or env_models),
         model_dir=Path(args.model_dir) if args.model_dir else None,
         loss=args.loss,

@@ -3,7 +3,7 @@
 The container's HEALTHCHECK and the Kubernetes exec probes of a TLS deployment (the
 native gRPC probes speak no TLS). It asks the standard grpc.health.v1 service, and reads
 the variables the server itself reads, so a probe needs no flags:
-- PERGRAD_PORT: the port asked, on 127.0.0.1;
+- PERGRAD_OPEN_SERVICES_PORT, or without it PERGRAD_PORT: the port asked, on 127.0.0.1;
 - PERGRAD_TLS_CERT: when set, the server speaks only TLS, and so does the probe. It trusts
   PERGRAD_TLS_CA (the CA that signed the server's certificate) or, without it, the
   server's own certificate file (self-signed, or a chain that includes its CA);
@@ -80,7 +80,7 @@ def _tls(args: argparse.Namespace) -> Tls | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    port = _env("PORT") or "50051"
+    port = _env("OPEN_SERVICES_PORT") or _env("PORT") or "50051"
     parser = argparse.ArgumentParser(prog="python -m pergrad.server.healthcheck")
     parser.add_argument("--target", default=f"127.0.0.1:{port}", help="server to ask")
     parser.add_argument("--service", default="", help="service name; '' is the whole server")

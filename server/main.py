@@ -14,7 +14,7 @@ from pergrad.server.admission import Admission
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
-from pergrad.server.guard import CallGuard
+from pergrad.server.guard import OPEN_REQUEST_BYTES, CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
 from pergrad.server.interceptors import MetricsInterceptor
@@ -78,6 +78,10 @@ class RunningServer:
     metrics_endpoint: MetricsEndpoint
     guard: CallGuard
     coalescers: Coalescers
+    # Health and reflection's own server (--open-services-port), else None; and their
+    # port (`port` where they share the service's server).
+    open_server: grpc.Server | None
+    open_port: int
 
     @property
     def metrics_port(self) -> int:
@@ -89,6 +93,8 @@ class RunningServer:
         up to `grace_s`, stop metrics."""
         self.health.stop_serving()
         self.server.stop(grace_s).wait()
+        if self.open_server is not None:  # probes heard NOT_SERVING through the drain
+            self.open_server.stop(0).wait()
         self.coalescers.close()
         self.guard.close()
         self.metrics_endpoint.close()
@@ -156,20 +162,25 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     )
     try:
         servicer = GradientServicer(registry, config, metrics, coalescers, admission)
-        server, health_servicer, port = _start_grpc(config, servicer, guard)
+        grpc_servers = _start_grpc(config, servicer, guard)
     except BaseException:
         guard.close()
         endpoint.close()
         raise
+    server, open_server, health_servicer, port, open_port = grpc_servers
     _LOGGER.info(
-        "pergrad ready on %s:%d serving %s, metrics on http://%s:%d/metrics",
+        "pergrad ready on %s:%d serving %s (health and reflection on port %d), metrics on "
+        "http://%s:%d/metrics",
         config.host,
         port,
         registry.names,
+        open_port,
         config.host,
         endpoint.port,
     )
-    return RunningServer(server, port, health_servicer, metrics, endpoint, guard, coalescers)
+    return RunningServer(
+        server, port, health_servicer, metrics, endpoint, guard, coalescers, open_server, open_port
+    )
 
 
 def per_token_calls(config: Config) -> int:
@@ -187,7 +198,9 @@ def per_token_streams(config: Config) -> int:
 
 def _start_grpc(
     config: Config, servicer: GradientServicer, guard: CallGuard
-) -> tuple[grpc.Server, HealthService, int]:
+) -> tuple[grpc.Server, grpc.Server | None, HealthService, int, int]:
+    """(the service's server, health and reflection's own or None, the health servicer,
+    the service's port, health and reflection's port), started."""
     server = grpc.server(
         # A thread per call admitted: waiting for a request takes one; computing takes
         # one of the guard's --workers permits besides (`CallGuard`).
@@ -198,16 +211,42 @@ def _start_grpc(
         maximum_concurrent_rpcs=guard.admitted_at_most + REFUSALS_ROOM,
     )
     add_to_server(servicer, server)
+    own = (
+        _open_services_server(config, servicer, guard)
+        if config.open_services_port is not None
+        else None
+    )
+    open_server = own or server
     health_servicer = HealthService()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    add_reflection([SERVICE_NAME, HEALTH_SERVICE], server)
-    port = _add_port(server, config)
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, open_server)
+    add_reflection([SERVICE_NAME, HEALTH_SERVICE], open_server)
+    port = _add_port(server, config, config.port)
+    open_port = port if own is None else _add_port(own, config, config.open_services_port or 0)
     server.start()
+    if own is not None:
+        own.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, SERVING)
-    return server, health_servicer, port
+    return server, own, health_servicer, port, open_port
+
+
+def _open_services_server(
+    config: Config, servicer: GradientServicer, guard: CallGuard
+) -> grpc.Server:
+    """Health and reflection's own server: gRPC's C core refuses its requests over
+    OPEN_REQUEST_BYTES before Python copies them (on a server shared with the service,
+    they are copied up to --max-request-bytes first: `benchmarks/attacks.py` row 16),
+    and the service's port then serves nothing a caller without a token can reach."""
+    options = [
+        (name, OPEN_REQUEST_BYTES if name == "grpc.max_receive_message_length" else value)
+        for name, value in server_options(config)
+    ]
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=OPEN_CALLS),  # refusals; calls run on the guard's
+        interceptors=[MetricsInterceptor(servicer.metrics), guard],
+        options=options,
+        maximum_concurrent_rpcs=guard.admitted_at_most + REFUSALS_ROOM,
+    )
 
 
 def _auth_interceptors(config: Config) -> list[grpc.ServerInterceptor]:
@@ -217,10 +256,14 @@ def _auth_interceptors(config: Config) -> list[grpc.ServerInterceptor]:
     return [TokenAuthInterceptor(load_tokens(config.auth_token_file))]
 
 
-def _add_port(server: grpc.Server, config: Config) -> int:
+def _add_port(server: grpc.Server, config: Config, port: int) -> int:
     """Listen on host:port, with TLS when a certificate is configured; the bound port."""
-    address = f"{config.host}:{config.port}"
+    address = f"{config.host}:{port}"
     if config.tls_cert is None or config.tls_key is None:
-        return server.add_insecure_port(address)
-    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-    return server.add_secure_port(address, credentials)
+        bound = server.add_insecure_port(address)
+    else:
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        bound = server.add_secure_port(address, credentials)
+    if bound == 0:
+        raise OSError(f"cannot bind {address}")
+    return bound

@@ -73,6 +73,15 @@ def test_metrics_port_reads_its_environment_and_flag(monkeypatch: pytest.MonkeyP
     assert parse(["--metrics-port", "0"]).metrics_port == 0
 
 
+def test_open_services_share_the_port_unless_given_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert parse([]).open_services_port is None
+    monkeypatch.setenv("PERGRAD_OPEN_SERVICES_PORT", "50251")
+    assert parse([]).open_services_port == 50251
+    assert parse(["--open-services-port", "0"]).open_services_port == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -83,6 +92,9 @@ def test_metrics_port_reads_its_environment_and_flag(monkeypatch: pytest.MonkeyP
         (["--metrics-port", "70000"], "--metrics-port must be in"),
         (["--port", "7000", "--metrics-port", "7000"], "--metrics-port must differ from --port"),
         (["--port", "65500"], "--metrics-port must be in .* defaults to --port"),
+        (["--open-services-port", "70000"], "--open-services-port must be in"),
+        (["--open-services-port", "50051"], "--open-services-port must differ from --port"),
+        (["--open-services-port", "50151"], "--open-services-port must differ from --port"),
         (["--model-dir", "/nonexistent/models"], "is not a directory"),
         (["--batch-window-ms", "-1"], "--batch-window-ms must be in"),
         (["--batch-window-ms", "nan"], "--batch-window-ms must be in"),

@@ -46,6 +46,18 @@ def test_module_checks_the_port_from_the_environment(server: RunningServer) -> N
     assert run.stderr.strip() == "SERVING"
 
 
+def test_module_checks_the_open_services_port_where_they_have_one() -> None:
+    """With PERGRAD_OPEN_SERVICES_PORT set, as a deployment giving health a port of its
+    own sets it for the server: the service's port answers no health check."""
+    running = start(loopback_config("mnist_mlp", open_services_port=0))
+    try:
+        assert _probe(PORT=running.port).returncode == 1
+        run = _probe(PORT=running.port, OPEN_SERVICES_PORT=running.open_port)
+        assert run.returncode == 0, run.stderr
+    finally:
+        running.stop(0)
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))

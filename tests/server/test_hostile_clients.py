@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
@@ -161,6 +162,37 @@ def test_large_requests_to_open_services_are_refused_unparsed(
             "/grpc.health.v1.Health/Check", response_deserializer=_HealthReply
         )
         assert check(b"", timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_open_services_on_a_port_of_their_own_are_refused_large_requests_unread() -> None:
+    """--open-services-port: health and reflection answer there, gRPC's C core refusing
+    their requests over OPEN_REQUEST_BYTES before Python copies them; the service's port
+    answers them UNIMPLEMENTED without reading them, and serves the service."""
+    running = _start(open_services_port=0)
+    large = bytes([15 << 3 | 2, 0x80, 0x80, 0x80, 0x01]) + bytes(1 << 21)  # a 2 MiB field
+    health = "/grpc.health.v1.Health/Check"
+    try:
+        with (
+            grpc.insecure_channel(_target(running)) as service,
+            grpc.insecure_channel(f"127.0.0.1:{running.open_port}") as open_port,
+        ):
+            for request in (b"", large):
+                with pytest.raises(grpc.RpcError) as err:
+                    service.unary_unary(health)(request, timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            check = open_port.unary_unary(health, response_deserializer=_HealthReply)
+            assert check(b"", timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                check(large, timeout=10)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            reflection = reflection_pb2_grpc.ServerReflectionStub(open_port)
+            asked = reflection_pb2.ServerReflectionRequest(list_services="")
+            (reply,) = reflection.ServerReflectionInfo(iter([asked]), timeout=10)
+            listed = {s.name for s in reply.list_services_response.service}
+            assert "pergrad.v1.GradientService" in listed
+            assert _list_models(service) == ["mnist_mlp"]
+    finally:
+        running.stop(0)
 
 
 def test_watch_streams_beyond_their_bound_are_refused_and_other_calls_go_on(guarded) -> None:
