@@ -41,7 +41,10 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   until then each holds a place), so one connection's silent calls cannot keep every
   place;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
-  they then hold no thread, only their Watch place until they end.
+  they then hold no thread, only their Watch place until they end;
+- refuses a request to an open service over OPEN_REQUEST_BYTES before it is parsed
+  (RESOURCE_EXHAUSTED): gRPC has copied it into Python by then, unless the open services
+  have a server of their own (`--open-services-port`), whose C core refuses it first.
 """
 
 from __future__ import annotations
