@@ -44,7 +44,8 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   they then hold no thread, only their Watch place until they end;
 - refuses a request to an open service over OPEN_REQUEST_BYTES before it is parsed
   (RESOURCE_EXHAUSTED): gRPC has copied it into Python by then, unless the open services
-  have a server of their own (`--open-services-port`), whose C core refuses it first.
+  have a server of their own (`--open-services-port`), whose C core refuses it first;
+  and one that does not parse, INVALID_ARGUMENT (gRPC's own answer is INTERNAL).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from pergrad.server.admission import Admission
 from pergrad.server.auth import bearer_token, caller_of
@@ -93,21 +94,32 @@ OPEN_SHARE = 2
 OPEN_REQUEST_BYTES = 4096
 
 
-class _TooLarge(NamedTuple):
-    """An open service's request left unparsed: over OPEN_REQUEST_BYTES."""
+class _Refused(NamedTuple):
+    """An open service's request refused as it was read: its call ends with `code`."""
 
-    nbytes: int
+    code: grpc.StatusCode
+    message: str
 
 
-def _small_only(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
-    """An open service's deserializer: a request over OPEN_REQUEST_BYTES is not parsed."""
+def _open_parser(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """An open service's deserializer: a request over OPEN_REQUEST_BYTES is not parsed,
+    and one that does not parse is INVALID_ARGUMENT (gRPC would answer INTERNAL)."""
 
-    def parse_small(data: bytes) -> Any:
+    def parse_checked(data: bytes) -> Any:
         if len(data) > OPEN_REQUEST_BYTES:
-            return _TooLarge(len(data))
-        return parse(data) if parse else data
+            return _Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a request of {len(data)} bytes; health and reflection take "
+                f"{OPEN_REQUEST_BYTES} at most",
+            )
+        if parse is None:
+            return data
+        try:
+            return parse(data)
+        except DecodeError as err:
+            return _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid request: {err}")
 
-    return parse_small
+    return parse_checked
 
 
 class _Waits:
@@ -352,7 +364,7 @@ class CallGuard(grpc.ServerInterceptor):
             guarded.experimental_thread_pool = self._watch_pool if watch else self._open_pool
         parse = handler.request_deserializer
         if open_service:
-            parse = _small_only(parse)
+            parse = _open_parser(parse)
         if handler.request_streaming:
             return replaced(handler, guarded, request_deserializer=parse)
         return as_request_stream(handler, guarded, sized(parse))
@@ -490,12 +502,8 @@ class CallGuard(grpc.ServerInterceptor):
             if item is _NOTHING:
                 return
             request = item.request if isinstance(item, Sized) else item
-            if isinstance(request, _TooLarge):
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{method}: a request of {request.nbytes} bytes; health and reflection "
-                    f"take {OPEN_REQUEST_BYTES} at most",
-                )
+            if isinstance(request, _Refused):
+                context.abort(request.code, f"{method}: {request.message}")
             yield item
 
     def _responses(

@@ -252,6 +252,33 @@ def test_random_set_weights_streams_get_deliberate_codes(server: RunningServer, 
     assert code not in BAD_CODES
 
 
+OPEN_METHODS = [
+    ("/grpc.health.v1.Health/Check", False),
+    ("/grpc.health.v1.Health/Watch", False),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
+]
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(OPEN_METHODS),
+    data=st.one_of(st.binary(max_size=64), st.integers(4000, 20_000).map(bytes)),
+)
+def test_random_requests_to_open_services_get_deliberate_codes(server, method, data) -> None:
+    """Garbage, and requests around OPEN_REQUEST_BYTES, no token: a Watch is left after
+    its first reply."""
+    path, streaming = method
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        if streaming:
+            call = channel.stream_stream(path)(iter([data]), timeout=30)
+        else:
+            call = channel.unary_stream(path)(data, timeout=30)
+        code = _code(lambda: next(call, None))
+        call.cancel()
+    assert code not in BAD_CODES
+    event(f"status {code.name}")
+
+
 def test_server_is_serving_after_the_fuzzing(server: RunningServer) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(

@@ -164,6 +164,31 @@ def test_large_requests_to_open_services_are_refused_unparsed(
         assert check(b"", timeout=10).status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.parametrize(
+    ("method", "streaming"),
+    [
+        ("/grpc.health.v1.Health/Check", False),
+        ("/grpc.health.v1.Health/Watch", False),
+        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
+    ],
+    ids=["check", "watch", "reflection"],
+)
+def test_malformed_requests_to_open_services_are_invalid_arguments(
+    server: RunningServer, method: str, streaming: bool
+) -> None:
+    """Bytes that do not parse (a string field that is not UTF-8): INVALID_ARGUMENT, not
+    gRPC's own INTERNAL."""
+    data = b"\x0a\x01\xff"
+    with grpc.insecure_channel(_target(server)) as channel:
+        if streaming:
+            call = channel.stream_stream(method)(iter([data]), timeout=30)
+        else:
+            call = channel.unary_stream(method)(data, timeout=30)
+        err = _raw_call_error(call)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid request" in err.details()
+
+
 def test_open_services_on_a_port_of_their_own_are_refused_large_requests_unread() -> None:
     """--open-services-port: health and reflection answer there, gRPC's C core refusing
     their requests over OPEN_REQUEST_BYTES before Python copies them; the service's port
