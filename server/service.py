@@ -42,7 +42,12 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
-from pergrad.wire.declared import declared_model, declared_request_id, holds_over
+from pergrad.wire.declared import (
+    declared_model,
+    declared_request_id,
+    first_nested_string,
+    holds_over,
+)
 from pergrad.wire.fields import field_bytes
 from pergrad.wire.rpc import SERVICE
 
@@ -130,10 +135,16 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
 
     def oversized_header(self, data: bytes) -> InvalidArgument | None:
         """The refusal of a SetWeights message whose header is larger than any served
-        model's could be, unparsed (parsing 60,000 specs would hold the GIL 5 ms)."""
+        model's could be, unparsed (parsing 60,000 specs would hold the GIL 5 ms),
+        counted as a failed update of the served model it names."""
         size = field_bytes(data, pb.WeightsMessage.HEADER_FIELD_NUMBER)
         if size <= self._header_bound:
             return None
+        model = first_nested_string(
+            data, pb.WeightsMessage.HEADER_FIELD_NUMBER, pb.WeightsHeader.MODEL_FIELD_NUMBER
+        )
+        if model in self._registry.names:
+            self.metrics.weights_update_failed(model)
         return InvalidArgument(
             f"WeightsMessage: a header of {size} bytes; the bound is {self._header_bound}, "
             "twice the largest a served model takes plus 4 KiB (one TensorSpec per "

@@ -97,6 +97,25 @@ def declared_model(data: bytes, number: int) -> str | None:
         return None
 
 
+def first_nested_string(data: bytes, outer: int, inner: int) -> str | None:
+    """String field `inner` of message field `outer` of the message in `data`, the first
+    of each sent, read no further: a header too large to read whole still names its model
+    (protobuf keeps the last, so a message sending two could name either). None where
+    none is read or it is not UTF-8."""
+    reader = Reader(data)
+    try:
+        for field in reader.fields():
+            if field.number != outer or field.wire_type != LENGTH_DELIMITED:
+                continue
+            for nested in reader.fields(field.start, field.end):
+                if nested.number == inner and nested.wire_type == LENGTH_DELIMITED:
+                    return data[nested.start : nested.end].decode()
+            return None
+    except (Unreadable, UnicodeDecodeError):
+        return None
+    return None
+
+
 def _kept(reader: Reader, entry: Field) -> bool:
     """Whether upb keeps a map entry: one holding any field but its key and value, each
     length-delimited, is kept among the unknown fields instead, out of the map."""

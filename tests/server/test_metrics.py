@@ -223,6 +223,24 @@ def test_a_step_refused_before_parsing_is_counted_as_a_failed_update(
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
 
 
+def test_a_header_refused_before_parsing_is_counted_as_a_failed_update(
+    fresh_server: RunningServer,
+) -> None:
+    """A SetWeights header of 60,000 specs is refused from its size, before any handler
+    runs, and still counts for the model it names (not for one it does not)."""
+    specs = [tensor_pb2.TensorSpec(name=f"t{i}", dtype=1, shape=[1]) for i in range(60_000)]
+    with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
+        set_weights = channel.stream_unary(f"/{SERVICE}/SetWeights")
+        for model in ("mnist_mlp", "no_such_model"):
+            header = pb.WeightsHeader(model=model, tensors=specs)
+            message = pb.WeightsMessage(header=header).SerializeToString()
+            with pytest.raises(grpc.RpcError) as err:
+                set_weights(iter([message]), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="no_such_model") == 0
+
+
 def test_gpu_memory_is_exported_only_when_tensorflow_sees_a_gpu(server: RunningServer) -> None:
     import tensorflow as tf
 

@@ -15,9 +15,10 @@ from pergrad.wire.declared import (
     declared_batches,
     declared_model,
     declared_request_id,
+    first_nested_string,
     holds_over,
 )
-from pergrad.wire.fields import Unreadable
+from pergrad.wire.fields import MAX_SCANNED, Unreadable
 from pergrad.wire.text import quoted
 
 INPUTS = pb.GradientsRequest.INPUTS_FIELD_NUMBER
@@ -203,3 +204,26 @@ def test_bytes_ending_mid_field_hold_over_no_bound() -> None:
     """The parser refuses them; reading counts only what it could read."""
     data = _key(REQUEST_ID, 0) + _varint(1) + _delimited(7, b"abc")[:-1]
     assert not holds_over(data, 1)
+
+
+HEADER, HEADER_MODEL = pb.WeightsMessage.HEADER_FIELD_NUMBER, pb.WeightsHeader.MODEL_FIELD_NUMBER
+
+
+def test_a_headers_model_is_read_before_more_fields_than_a_reader_reads() -> None:
+    specs = [tensor_pb2.TensorSpec(name=f"t{i}", shape=[1]) for i in range(MAX_SCANNED + 10)]
+    header = pb.WeightsHeader(model="mnist_mlp", tensors=specs)
+    data = pb.WeightsMessage(header=header).SerializeToString()
+    assert first_nested_string(data, HEADER, HEADER_MODEL) == "mnist_mlp"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pb.WeightsMessage(chunk=tensor_pb2.TensorChunk(data=b"x")).SerializeToString(),
+        _delimited(HEADER, _delimited(HEADER_MODEL, b"\xff")),
+        _delimited(HEADER, _delimited(HEADER_MODEL, b"ab")[:-1]),
+    ],
+    ids=["no header", "not UTF-8", "cut short"],
+)
+def test_a_header_naming_no_readable_model_names_none(data: bytes) -> None:
+    assert first_nested_string(data, HEADER, HEADER_MODEL) is None
