@@ -128,9 +128,10 @@ class Config:
             ("--open-services-port", self.open_services_port or 0),
         ]:
             if not 0 <= port <= 65535:
+                why = f" (it defaults to --port + {METRICS_PORT_OFFSET})"
                 raise ConfigError(
-                    f"{flag} must be in [0, 65535], got {port} (--metrics-port defaults to "
-                    f"--port + {METRICS_PORT_OFFSET})"
+                    f"{flag} must be in [0, 65535], got {port}"
+                    + (why if flag == "--metrics-port" else "")
                 )
         if self.metrics_port == self.port != 0:
             raise ConfigError(f"--metrics-port must differ from --port, both are {self.port}")

@@ -56,14 +56,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pergrad.server.admission import Admission
 from pergrad.server.auth import bearer_token, caller_of
-from pergrad.server.errors import ResourceExhausted
+from pergrad.server.errors import InvalidArgument, ResourceExhausted
 from pergrad.server.handlers import (
     as_request_stream,
     behavior_of,
@@ -72,7 +72,7 @@ from pergrad.server.handlers import (
     replaced,
 )
 from pergrad.server.interceptors import ended_by_client
-from pergrad.server.status import Sized, note_request_bytes, sized
+from pergrad.server.status import RefusedRequest, Sized, note_request_bytes, sized
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
@@ -94,30 +94,24 @@ OPEN_SHARE = 2
 OPEN_REQUEST_BYTES = 4096
 
 
-class _Refused(NamedTuple):
-    """An open service's request refused as it was read: its call ends with `code`."""
-
-    code: grpc.StatusCode
-    message: str
-
-
 def _open_parser(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
     """An open service's deserializer: a request over OPEN_REQUEST_BYTES is not parsed,
     and one that does not parse is INVALID_ARGUMENT (gRPC would answer INTERNAL)."""
 
     def parse_checked(data: bytes) -> Any:
         if len(data) > OPEN_REQUEST_BYTES:
-            return _Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"a request of {len(data)} bytes; health and reflection take "
-                f"{OPEN_REQUEST_BYTES} at most",
+            return RefusedRequest(
+                ResourceExhausted(
+                    f"a request of {len(data)} bytes; health and reflection take "
+                    f"{OPEN_REQUEST_BYTES} at most"
+                )
             )
         if parse is None:
             return data
         try:
             return parse(data)
         except DecodeError as err:
-            return _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"not a valid request: {err}")
+            return RefusedRequest(InvalidArgument(f"not a valid request: {err}"))
 
     return parse_checked
 
@@ -482,8 +476,9 @@ class CallGuard(grpc.ServerInterceptor):
         method: str,
         waiting: _Place | None = None,
     ) -> Iterator[Any]:
-        """The requests, each waited for under the stall timer (and, with `waiting`, as a
-        call that may be evicted meanwhile). A call cancelled as stalled or evicted ends
+        """The requests, each waited for under the stall timer (and, with `waiting`, an
+        open service's call, as one that may be evicted meanwhile, its requests refused
+        by `_open_parser` ending it). A call cancelled as stalled or evicted ends
         CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
         which the handler would take for the client's end)."""
         while True:
@@ -502,8 +497,9 @@ class CallGuard(grpc.ServerInterceptor):
             if item is _NOTHING:
                 return
             request = item.request if isinstance(item, Sized) else item
-            if isinstance(request, _Refused):
-                context.abort(request.code, f"{method}: {request.message}")
+            if waiting is not None and isinstance(request, RefusedRequest):
+                error = request.error
+                context.abort(grpc.StatusCode[error.code], f"{method}: {error}")
             yield item
 
     def _responses(

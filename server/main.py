@@ -220,11 +220,17 @@ def _start_grpc(
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, open_server)
     add_reflection([SERVICE_NAME, HEALTH_SERVICE], open_server)
-    port = _add_port(server, config, config.port)
-    open_port = port if own is None else _add_port(own, config, config.open_services_port or 0)
-    server.start()
-    if own is not None:
-        own.start()
+    try:
+        port = _add_port(server, config, config.port)
+        open_port = port if own is None else _add_port(own, config, config.open_services_port or 0)
+        server.start()
+        if own is not None:
+            own.start()
+    except BaseException:  # a port that will not bind: let go of the other
+        for started in (server, own):
+            if started is not None:
+                started.stop(0)
+        raise
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, SERVING)
     return server, own, health_servicer, port, open_port
@@ -245,7 +251,7 @@ def _open_services_server(
         futures.ThreadPoolExecutor(max_workers=OPEN_CALLS),  # refusals; calls run on the guard's
         interceptors=[MetricsInterceptor(servicer.metrics), guard],
         options=options,
-        maximum_concurrent_rpcs=guard.admitted_at_most + REFUSALS_ROOM,
+        maximum_concurrent_rpcs=OPEN_CALLS + WATCH_STREAMS + REFUSALS_ROOM,
     )
 
 

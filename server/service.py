@@ -91,6 +91,15 @@ def _header_bound(registry: ModelRegistry) -> int:
     return 2 * max(sizes, default=0) + 4096
 
 
+class OversizedHeader(InvalidArgument):
+    """A SetWeights header refused from its size, and the model it names (the first name
+    sent; None if none could be read), whose update has failed."""
+
+    def __init__(self, message: str, *, model: str | None) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 def _fields_needed(registry: ModelRegistry) -> int:
     """The most top-level fields a request to a served model holds: a variable name and
     a `dot` reference (or a step's gradient-sum tensor) per variable, a tensor per
@@ -136,19 +145,17 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def oversized_header(self, data: bytes) -> InvalidArgument | None:
         """The refusal of a SetWeights message whose header is larger than any served
         model's could be, unparsed (parsing 60,000 specs would hold the GIL 5 ms),
-        counted as a failed update of the served model it names."""
+        naming the model it would update (`SetWeights` counts the failure)."""
         size = field_bytes(data, pb.WeightsMessage.HEADER_FIELD_NUMBER)
         if size <= self._header_bound:
             return None
-        model = first_nested_string(
-            data, pb.WeightsMessage.HEADER_FIELD_NUMBER, pb.WeightsHeader.MODEL_FIELD_NUMBER
-        )
-        if model in self._registry.names:
-            self.metrics.weights_update_failed(model)
-        return InvalidArgument(
+        return OversizedHeader(
             f"WeightsMessage: a header of {size} bytes; the bound is {self._header_bound}, "
             "twice the largest a served model takes plus 4 KiB (one TensorSpec per "
-            "trainable variable: GetModelInfo lists them)"
+            "trainable variable: GetModelInfo lists them)",
+            model=first_nested_string(
+                data, pb.WeightsMessage.HEADER_FIELD_NUMBER, pb.WeightsHeader.MODEL_FIELD_NUMBER
+            ),
         )
 
     def refusals(self) -> dict[str, Refusal]:
@@ -169,7 +176,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             ),
             "ApplyStep": self._counted_as_failed_step(
                 _first(
-                    partial(many, "StepRequest", in_field=step_batch),
+                    partial(many, "StepRequest (or its batch)", in_field=step_batch),
                     _if_large(partial(oversized_batch, max_batch=max_batch, in_field=step_batch)),
                 )
             ),
@@ -260,7 +267,12 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def SetWeights(
         self, request_iterator: Iterator[pb.WeightsMessage], context: Any
     ) -> pb.SetWeightsResponse:
-        first = next(request_iterator, None)
+        try:
+            first = next(request_iterator, None)
+        except OversizedHeader as err:  # refused unparsed: its model is read from its bytes
+            if err.model in self._registry.names:
+                self.metrics.weights_update_failed(err.model)
+            raise
         if first is None or not first.HasField("header"):
             raise InvalidArgument("SetWeights: the first message must be a WeightsHeader")
         header = first.header

@@ -132,6 +132,15 @@ def stop_server(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+# The open services' methods (no token needed), each with whether it takes a stream of
+# requests.
+OPEN_METHODS = [
+    ("/grpc.health.v1.Health/Check", False),
+    ("/grpc.health.v1.Health/Watch", False),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
+]
+
+
 def loopback_config(*models: str, **settings: object) -> Config:
     """A test server's config: 127.0.0.1, free ports, no XLA timing, these models, and
     small requests sharing passes as they do by default where a GPU is seen (off by default

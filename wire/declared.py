@@ -13,7 +13,15 @@ from collections.abc import Iterator
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.fields import LENGTH_DELIMITED, VARINT, Field, Reader, Unreadable
+from pergrad.wire.fields import (
+    LENGTH_DELIMITED,
+    VARINT,
+    Field,
+    Group,
+    OverBudget,
+    Reader,
+    Unreadable,
+)
 from pergrad.wire.text import quoted
 
 _INPUTS = pb.GradientsRequest.INPUTS_FIELD_NUMBER
@@ -57,26 +65,25 @@ def declared_batches(data: bytes, in_field: int = 0) -> Iterator[tuple[str, int]
 
 def holds_over(data: bytes, limit: int, in_field: int = 0) -> bool:
     """Whether the message in `data` holds over `limit` fields at its top level, or, with
-    `in_field`, so does the message in any such field of it: read field by field, no
-    further than that. Bytes that cannot be read say no: the parser refuses them."""
-    over, spans = _over(data, limit, in_field)
-    return over or any(_over(data, limit, 0, start, end)[0] for start, end in spans)
-
-
-def _over(
-    data: bytes, limit: int, in_field: int, start: int = 0, end: int | None = None
-) -> tuple[bool, list[tuple[int, int]]]:
-    """(whether data[start:end] holds over `limit` top-level fields, the spans of its
-    fields `in_field` among those read)."""
-    count, spans = 0, []
+    `in_field`, so does the message its fields `in_field` make (protobuf merges them into
+    one): read field by field, no further than that. A group counts as over (proto3
+    messages hold none, and the parser reads on past one); bytes that end mid-field say
+    no: the parser refuses them."""
     try:
-        for field in Reader(data, budget=limit + 1).fields(start, end):
-            count += 1
-            if field.number == in_field and field.wire_type == LENGTH_DELIMITED:
-                spans.append((field.start, field.end))
+        spans = [
+            (f.start, f.end)
+            for f in Reader(data, budget=limit).fields()
+            if f.number == in_field and f.wire_type == LENGTH_DELIMITED
+        ]
+        merged = Reader(data, budget=limit)  # one budget for every part of the field
+        for start, end in spans:
+            for _ in merged.fields(start, end):
+                pass
+    except (Group, OverBudget):
+        return True
     except Unreadable:
-        pass
-    return count > limit, spans
+        return False
+    return False
 
 
 def declared_request_id(data: bytes) -> int:

@@ -28,6 +28,14 @@ class Unreadable(Exception):
     reader reads, or bytes that end mid-field (the parser refuses those)."""
 
 
+class Group(Unreadable):
+    """A group: proto3 messages hold none, but the parser reads on past one."""
+
+
+class OverBudget(Unreadable):
+    """More fields than the reader reads."""
+
+
 class Field(NamedTuple):
     number: int
     wire_type: int
@@ -66,7 +74,7 @@ def _field(data: bytes, at: int) -> Field:
         value, start = _varint(data, at)
         at = start + value
     else:
-        raise Unreadable(f"a group (field {key >> 3})")
+        raise Group(f"a group (field {key >> 3})")
     return Field(key >> 3, wire_type, value, start, at)
 
 
@@ -91,7 +99,7 @@ class Reader:
         at = start
         while at != end:
             if not self._left:
-                raise Unreadable(f"over {self._budget} fields")
+                raise OverBudget(f"over {self._budget} fields")
             self._left -= 1
             try:
                 field = _field(self.data, at)

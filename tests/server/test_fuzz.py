@@ -29,7 +29,7 @@ from pergrad.wire.chunks import decode_response
 from pergrad.wire.codec import TensorAssembler, encode_tensor
 from pergrad.wire.messages import gradients_request, parse_request
 from pergrad.wire.results import expected_outputs
-from tests.helpers import loopback_config
+from tests.helpers import OPEN_METHODS, loopback_config
 
 EXAMPLES = int(os.environ.get("PERGRAD_FUZZ_EXAMPLES", "150"))
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -250,13 +250,6 @@ weights_messages = st.lists(
 def test_random_set_weights_streams_get_deliberate_codes(server: RunningServer, messages) -> None:
     code = _code(lambda: _call(server, "SetWeights", messages, streaming_request=True))
     assert code not in BAD_CODES
-
-
-OPEN_METHODS = [
-    ("/grpc.health.v1.Health/Check", False),
-    ("/grpc.health.v1.Health/Watch", False),
-    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
-]
 
 
 @FUZZ

@@ -45,7 +45,7 @@ from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
-from tests.helpers import batch_for, loopback_config
+from tests.helpers import OPEN_METHODS, batch_for, loopback_config
 from tests.pauses import Gate, Pause
 from tests.prometheus import sample_value, scrape
 from tests.zoo import FAMILIES, VOCABULARY
@@ -135,13 +135,7 @@ def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "streaming"),
-    [
-        ("/grpc.health.v1.Health/Check", False),
-        ("/grpc.health.v1.Health/Watch", False),
-        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
-    ],
-    ids=["check", "watch", "reflection"],
+    ("method", "streaming"), OPEN_METHODS, ids=["check", "watch", "reflection"]
 )
 def test_large_requests_to_open_services_are_refused_unparsed(
     server: RunningServer, method: str, streaming: bool
@@ -165,13 +159,7 @@ def test_large_requests_to_open_services_are_refused_unparsed(
 
 
 @pytest.mark.parametrize(
-    ("method", "streaming"),
-    [
-        ("/grpc.health.v1.Health/Check", False),
-        ("/grpc.health.v1.Health/Watch", False),
-        ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", True),
-    ],
-    ids=["check", "watch", "reflection"],
+    ("method", "streaming"), OPEN_METHODS, ids=["check", "watch", "reflection"]
 )
 def test_malformed_requests_to_open_services_are_invalid_arguments(
     server: RunningServer, method: str, streaming: bool
@@ -1307,15 +1295,18 @@ def test_requests_of_many_small_fields_are_refused_unparsed(
 ) -> None:
     """Refused from the count of their fields before protobuf parses them (80,000 `dot`
     references under 1 MiB took upb 90 ms, holding the GIL every call waits for): a
-    request, a stream's request and a step's batch; and the server serves on."""
+    request, one behind an empty group (which the parser would read past), a stream's
+    request and a step's batch; and the server serves on."""
     many = _many_small_fields(80_000)
     data = _unparseable(many)
     step = _unparseable(pb.StepRequest(model="mnist_mlp", learning_rate=0.1, batch=many))
     with grpc.insecure_channel(_target(server)) as channel:
         unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
         streamed = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
+        behind_a_group = b"\x9b\x06\x9c\x06"  # an empty group, field 99: its start, its end
         for err in (
             _raw_call_error(unary(data, timeout=30)),
+            _raw_call_error(unary(behind_a_group + data, timeout=30)),
             _raw_call_error(streamed(iter([data]), timeout=30)),
         ):
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -1323,7 +1314,9 @@ def test_requests_of_many_small_fields_are_refused_unparsed(
         with pytest.raises(grpc.RpcError) as stepped:
             channel.unary_unary(SERVICE + "ApplyStep")(step, timeout=30)
         assert stepped.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert stepped.value.details().startswith("StepRequest: over "), stepped.value.details()
+        assert stepped.value.details().startswith("StepRequest (or its batch): over "), (
+            stepped.value.details()
+        )
     x, y = batch_for((784,), 10, 4)
     assert client.per_example_gradients("mnist_mlp", x, y, reduction="norms").norms.shape == (4,)
 

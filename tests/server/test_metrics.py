@@ -241,6 +241,26 @@ def test_a_header_refused_before_parsing_is_counted_as_a_failed_update(
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="no_such_model") == 0
 
 
+def test_an_oversized_header_after_a_good_one_counts_the_update_once(
+    fresh_server: RunningServer, fresh_client: GradientClient
+) -> None:
+    """A stream whose first header is good and whose next message is an oversized header
+    is one failed update, counted once."""
+    info = fresh_client.model_info("mnist_mlp")
+    specs = [tensor_pb2.TensorSpec(name=v.name, dtype=1, shape=v.shape) for v in info.variables]
+    good = pb.WeightsHeader(model="mnist_mlp", tensors=specs)
+    many = [tensor_pb2.TensorSpec(name=f"t{i}", dtype=1, shape=[1]) for i in range(60_000)]
+    bad = pb.WeightsHeader(model="mnist_mlp", tensors=many)
+    messages = [pb.WeightsMessage(header=h).SerializeToString() for h in (good, bad)]
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        channel.stream_unary(f"/{SERVICE}/SetWeights")(iter(messages), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
+
+
 def test_gpu_memory_is_exported_only_when_tensorflow_sees_a_gpu(server: RunningServer) -> None:
     import tensorflow as tf
 

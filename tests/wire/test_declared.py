@@ -200,10 +200,28 @@ def test_a_step_requests_batch_holds_over_a_bound_in_its_field() -> None:
     assert not holds_over(few.SerializeToString(), 5, batch)
 
 
+def test_a_group_holds_over_any_bound() -> None:
+    """An empty group (field 99) in front of the fields: the parser takes it and reads
+    on, so a reading that stopped there would let any number of fields through."""
+    data = _key(99, 3) + _key(99, 4) + _key(REQUEST_ID, 0) + _varint(1)
+    assert pb.GradientsRequest.FromString(data).request_id == 1
+    assert holds_over(data, 100)
+
+
+def test_a_step_requests_batch_sent_in_parts_counts_as_one() -> None:
+    """Protobuf merges the parts into one batch: their fields count together."""
+    part = pb.GradientsRequest(variables=["a", "b", "c"]).SerializeToString()
+    batch = pb.StepRequest.BATCH_FIELD_NUMBER
+    data = b"".join(_delimited(batch, part) for _ in range(4))
+    assert len(pb.StepRequest.FromString(data).batch.variables) == 12
+    assert holds_over(data, 11, batch)
+    assert not holds_over(data, 12, batch)
+
+
 def test_bytes_ending_mid_field_hold_over_no_bound() -> None:
     """The parser refuses them; reading counts only what it could read."""
     data = _key(REQUEST_ID, 0) + _varint(1) + _delimited(7, b"abc")[:-1]
-    assert not holds_over(data, 1)
+    assert not holds_over(data, 2)
 
 
 HEADER, HEADER_MODEL = pb.WeightsMessage.HEADER_FIELD_NUMBER, pb.WeightsHeader.MODEL_FIELD_NUMBER
