@@ -193,7 +193,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             f"{what}: over {self._field_bound} fields, the bound: twice the "
             f"{self._fields_needed} a request to this server's models holds at most (a "
             "variable name and a `dot` reference or gradient-sum tensor per variable, a "
-            "tensor per input, every other field once), and 64"
+            "tensor per input, every other field once), and 64; or a group, which no "
+            "proto3 message holds"
         )
 
     def _counted_as_failed_step(self, refuse: Refusal) -> Refusal:
