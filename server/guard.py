@@ -94,7 +94,7 @@ OPEN_SHARE = 2
 OPEN_REQUEST_BYTES = 4096
 
 
-def _open_parser(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+def _open_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     """An open service's deserializer: a request over OPEN_REQUEST_BYTES is not parsed,
     and one that does not parse is INVALID_ARGUMENT (gRPC would answer INTERNAL)."""
 
@@ -106,8 +106,6 @@ def _open_parser(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
                     f"{OPEN_REQUEST_BYTES} at most"
                 )
             )
-        if parse is None:
-            return data
         try:
             return parse(data)
         except DecodeError as err:

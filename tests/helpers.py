@@ -141,6 +141,14 @@ OPEN_METHODS = [
 ]
 
 
+def open_call(channel: Any, method: str, streaming: bool, data: bytes) -> Any:
+    """A call to an open service's `method` (OPEN_METHODS) sending `data` as its one
+    request, its responses to iterate."""
+    if streaming:
+        return channel.stream_stream(method)(iter([data]), timeout=30)
+    return channel.unary_stream(method)(data, timeout=30)
+
+
 def loopback_config(*models: str, **settings: object) -> Config:
     """A test server's config: 127.0.0.1, free ports, no XLA timing, these models, and
     small requests sharing passes as they do by default where a GPU is seen (off by default

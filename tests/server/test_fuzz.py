@@ -29,7 +29,7 @@ from pergrad.wire.chunks import decode_response
 from pergrad.wire.codec import TensorAssembler, encode_tensor
 from pergrad.wire.messages import gradients_request, parse_request
 from pergrad.wire.results import expected_outputs
-from tests.helpers import OPEN_METHODS, loopback_config
+from tests.helpers import OPEN_METHODS, loopback_config, open_call
 
 EXAMPLES = int(os.environ.get("PERGRAD_FUZZ_EXAMPLES", "150"))
 BAD_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -260,12 +260,8 @@ def test_random_set_weights_streams_get_deliberate_codes(server: RunningServer, 
 def test_random_requests_to_open_services_get_deliberate_codes(server, method, data) -> None:
     """Garbage, and requests around OPEN_REQUEST_BYTES, no token: a Watch is left after
     its first reply."""
-    path, streaming = method
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        if streaming:
-            call = channel.stream_stream(path)(iter([data]), timeout=30)
-        else:
-            call = channel.unary_stream(path)(data, timeout=30)
+        call = open_call(channel, *method, data)
         code = _code(lambda: next(call, None))
         call.cancel()
     assert code not in BAD_CODES

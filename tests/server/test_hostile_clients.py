@@ -45,7 +45,7 @@ from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
-from tests.helpers import OPEN_METHODS, batch_for, loopback_config
+from tests.helpers import OPEN_METHODS, batch_for, loopback_config, open_call
 from tests.pauses import Gate, Pause
 from tests.prometheus import sample_value, scrape
 from tests.zoo import FAMILIES, VOCABULARY
@@ -145,11 +145,7 @@ def test_large_requests_to_open_services_are_refused_unparsed(
     them; and health answers on."""
     data = bytes([15 << 3 | 2, 0x80, 0x80, 0x04]) + bytes(OPEN_REQUEST_BYTES)  # 64 KiB declared
     with grpc.insecure_channel(_target(server)) as channel:
-        if streaming:
-            call = channel.stream_stream(method)(iter([data]), timeout=30)
-        else:
-            call = channel.unary_stream(method)(data, timeout=30)
-        err = _raw_call_error(call)
+        err = _raw_call_error(open_call(channel, method, streaming, data))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"a request of {len(data)} bytes; health and reflection take" in err.details()
         check = channel.unary_unary(
@@ -168,11 +164,7 @@ def test_malformed_requests_to_open_services_are_invalid_arguments(
     gRPC's own INTERNAL."""
     data = b"\x0a\x01\xff"
     with grpc.insecure_channel(_target(server)) as channel:
-        if streaming:
-            call = channel.stream_stream(method)(iter([data]), timeout=30)
-        else:
-            call = channel.unary_stream(method)(data, timeout=30)
-        err = _raw_call_error(call)
+        err = _raw_call_error(open_call(channel, method, streaming, data))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid request" in err.details()
 

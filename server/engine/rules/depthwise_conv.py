@@ -11,7 +11,7 @@ import math
 import keras
 import tensorflow as tf
 
-from pergrad.server.engine.grads import Grad
+from pergrad.server.engine.grads import Grad, as_sequence
 from pergrad.server.engine.rules import Rule
 from pergrad.server.engine.rules.conv import applies_to_conv, patches_2d
 
@@ -33,11 +33,7 @@ def per_example(
     kernel = depthwise_kernel_grad(layer.kernel, patches_2d(layer, inputs), output_grad)
     grads: dict[str, Grad] = {layer.kernel.path: kernel}
     if layer.use_bias:
-        batch = tf.shape(output_grad)[0]
-        grads[layer.bias.path] = tf.reduce_sum(
-            tf.reshape(output_grad, [batch, -1, layer.kernel.shape[-2] * layer.kernel.shape[-1]]),
-            1,
-        )
+        grads[layer.bias.path] = tf.reduce_sum(as_sequence(output_grad), 1)
     return grads
 
 

@@ -35,6 +35,14 @@ def _model(input_shape, body: Callable, dtype: str = "float32") -> keras.Model:
     return keras.Model(inputs, _head(body(inputs)))
 
 
+def _separable(layer: type, *args, **kwargs) -> Callable:
+    """A SeparableConv layer's call, every kernel and bias drawn from its own seed."""
+    initializers = {"depthwise_initializer": _init(15), "pointwise_initializer": _init(16)}
+    if kwargs.get("use_bias", True):
+        initializers["bias_initializer"] = _init(17)
+    return layer(*args, **kwargs, **initializers)
+
+
 CASES: dict[str, Callable[[], keras.Model]] = {
     "dense": lambda: _model((6,), lambda x: L.Dense(5, "tanh", kernel_initializer=_init(1))(x)),
     "dense_on_sequence": lambda: _model(
@@ -86,40 +94,21 @@ CASES: dict[str, Callable[[], keras.Model]] = {
     ),
     "separable_conv2d_strided": lambda: _model(
         (9, 9, 3),
-        lambda x: L.SeparableConv2D(
+        _separable(
+            L.SeparableConv2D,
             4,
             3,
             strides=2,
             padding="same",
             depth_multiplier=2,
             activation="relu",
-            depthwise_initializer=_init(15),
-            pointwise_initializer=_init(16),
-            bias_initializer=_init(17),
-        )(x),
+        ),
     ),
     "separable_conv2d_dilated_no_bias": lambda: _model(
-        (10, 10, 2),
-        lambda x: L.SeparableConv2D(
-            3,
-            (3, 2),
-            dilation_rate=2,
-            use_bias=False,
-            depthwise_initializer=_init(15),
-            pointwise_initializer=_init(16),
-        )(x),
+        (10, 10, 2), _separable(L.SeparableConv2D, 3, (3, 2), dilation_rate=2, use_bias=False)
     ),
     "separable_conv1d": lambda: _model(
-        (12, 3),
-        lambda x: L.SeparableConv1D(
-            4,
-            3,
-            depth_multiplier=3,
-            activation="tanh",
-            depthwise_initializer=_init(15),
-            pointwise_initializer=_init(16),
-            bias_initializer=_init(17),
-        )(x),
+        (12, 3), _separable(L.SeparableConv1D, 4, 3, depth_multiplier=3, activation="tanh")
     ),
     "embedding": lambda: _model(
         (7,), lambda x: L.Embedding(20, 4, embeddings_initializer=_init(6))(x), dtype="int32"
