@@ -85,6 +85,7 @@ bench: install
 	$(PY) benchmarks/project_seeds.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/latency.py
+	$(PY) benchmarks/split.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
 	$(PY) benchmarks/dp_step.py

@@ -5,7 +5,7 @@ for small requests sharing passes (`--max-coalesced-batch 128`, the default wher
 is seen: row 9 attacks the shared passes), and three tokens: the honest client's,
 another writer's (the careless one of rows 10 and 13) and a reader's (`:ro`, every
 other attack that needs a token). For each attack, in the order of the issue's table,
-then the ways in found since (rows 15 and 16; row 0 is no attack: a flood of calls that
+then the ways in found since (rows 15 to 17; row 0 is no attack: a flood of calls that
 are answered, the reference for the floods of refused ones): the honest probes with the server idle,
 then again while the attack runs in a process of its own (its Python shares nothing
 with the honest client's), then the attack is killed and the server left a moment to
@@ -229,6 +229,17 @@ def large_requests(target: str, metrics_url: str, stop: threading.Event) -> None
     _in_loops(8, _unary(target, SERVICE + "ComputePerExampleGradients", request, READER), stop)
 
 
+def requests_at_the_message_limit(target: str, metrics_url: str, stop: threading.Event) -> None:
+    """8 callers each sending the largest gradients request the server takes (its
+    ModelInfo.limits) that it then refuses: a label short, found once the request is read."""
+    with GradientClient(target, token=READER) as client:
+        limit = client.model_info("mnist_mlp").limits.max_request_bytes
+    size = (limit - 4096) // (784 * 4 + 8)
+    x, y = _batch(size)
+    request = _gradients("mnist_mlp", x, y[:-1], reduction=pb.REDUCTION_NORMS)
+    _in_loops(8, _unary(target, SERVICE + "ComputePerExampleGradients", request, READER), stop)
+
+
 def expensive_small_requests(target: str, metrics_url: str, stop: threading.Event) -> None:
     """4 callers of the reader's token each keeping a 127-example request (just below the
     coalescing size) of transformer_block in flight."""
@@ -362,6 +373,10 @@ ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
         many_small_fields,
     ),
     16: ("8 callers without a token sending 57 MiB health Checks", large_health_checks),
+    17: (
+        "8 callers sending requests at the message limit, refused once read",
+        requests_at_the_message_limit,
+    ),
 }
 
 

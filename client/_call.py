@@ -8,14 +8,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
-from pergrad.client._types import ModelInfo, invalid
+from pergrad.client._types import ModelInfo, PergradError, invalid
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import CastError, arrays_by_input, cast, dtype_named
 from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
 from pergrad.wire.messages import gradients_request
 from pergrad.wire.results import ExpectedOutput, expected_outputs
+
+# What a request holds besides its batch and its options' tensors, at most: names,
+# shapes, the other options.
+REQUEST_OVERHEAD = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,60 @@ class Call:
             request_id=request_id,
         )
 
+    def examples_per_request(self, info: ModelInfo, x: Any, y: np.ndarray) -> int:
+        """The most examples of batch (x, y) one request may hold under the server's
+        limits on one request (`ModelInfo.limits`: max_batch, max_request_bytes), so
+        that a larger batch goes in parts; RESOURCE_EXHAUSTED if one example does not
+        fit beside the options' tensors (a `dot`'s references: see `reference_parts`)."""
+        limits = info.limits
+        most = limits.max_batch or max(len(y), 1)
+        if not limits.max_request_bytes:
+            return most
+        fixed = REQUEST_OVERHEAD + self._tensor_bytes()
+        row = _example_bytes(info, x, y)
+        fits = (limits.max_request_bytes - fixed) // max(row, 1)
+        if fits < 1:
+            raise PergradError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a request of one example takes {fixed + row} bytes with this call's "
+                f"options, over the server's max_request_bytes ({limits.max_request_bytes}, "
+                "its --max-request-bytes): ask for a larger limit",
+            )
+        return min(most, fits)
+
+    def reference_parts(self, info: ModelInfo) -> list[Call]:
+        """This call as calls carrying some of a `dot`'s reference rows each, when all of
+        them would take more than half of a request (the server's max_request_bytes),
+        leaving the batch the rest; their results' dots side by side are this call's.
+        Else [self]."""
+        references = self.options.get("reference") if self.reduction.name == "dot" else None
+        room = info.limits.max_request_bytes - REQUEST_OVERHEAD
+        if not references or not info.limits.max_request_bytes or self._tensor_bytes() <= room // 2:
+            return [self]
+        arrays = {name: np.asarray(value) for name, value in references.items()}
+        row = sum(a[0].nbytes for a in arrays.values() if len(a))
+        rows = max(1, room // 2 // max(row, 1))
+        count = len(next(iter(arrays.values())))
+        return [
+            dataclasses.replace(
+                self,
+                options={
+                    **self.options,
+                    "reference": {n: a[s : s + rows] for n, a in arrays.items()},
+                },
+            )
+            for s in range(0, count, rows)
+        ]
+
+    def _tensor_bytes(self) -> int:
+        """The bytes of the options' tensors (a `dot`'s references), sent with every part."""
+        return sum(
+            np.asarray(array).nbytes
+            for option in self.reduction.options
+            if option.kind == "tensors"
+            for array in (self.options.get(option.name) or {}).values()
+        )
+
     def expected(self, info: ModelInfo, batch: int) -> list[tuple[ExpectedOutput, np.dtype | None]]:
         """The outputs a correct result of a batch of `batch` holds, each with the dtype
         it must travel in (None: any floating-point type, the model's loss dtype)."""
@@ -118,3 +177,18 @@ class Call:
         if token == "grad":
             return dtype_named(wire) if wire else variables[expected.variable]
         return np.dtype(token)
+
+
+def _example_bytes(info: ModelInfo, x: Any, y: np.ndarray) -> int:
+    """The bytes one example of (x, y) takes in a request, in the model's dtypes (0 for
+    inputs that do not fit the model: `Call.request` names what is wrong)."""
+    try:
+        values = arrays_by_input(x, [i.name for i in info.inputs])
+        shapes = [np.shape(v)[1:] for v in values]
+    except (CastError, ValueError):
+        return 0
+    inputs = sum(
+        int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
+        for spec, shape in zip(info.inputs, shapes, strict=False)
+    )
+    return inputs + int(np.prod(y.shape[1:], dtype=np.int64)) * info.labels.dtype.itemsize

@@ -14,7 +14,7 @@ import numpy as np
 from pergrad.client._call import Call
 from pergrad.client._channels import open_channel, replica_addresses
 from pergrad.client._credentials import Security
-from pergrad.client._spread import computed, micro_batched, spread
+from pergrad.client._spread import check_versions, computed, micro_batched, spread
 from pergrad.client._steps import StepResult, on_all, on_one, step_call
 from pergrad.client._stream import pipelined
 from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
@@ -23,7 +23,7 @@ from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.wire.chunks import identity
 from pergrad.wire.codec import DEFAULT_CHUNK_BYTES
-from pergrad.wire.results import GradientResult
+from pergrad.wire.results import GradientResult, side_by_side
 from pergrad.wire.rpc import method_path
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -44,7 +44,8 @@ class GradientClient:
         chunk_bytes: size of the chunks `set_weights` sends.
         max_in_flight: batches `stream` keeps on the wire before waiting for results.
         micro_batch: split a batch into micro-batches of this many examples, computed
-            concurrently (on several replicas) and reassembled in order.
+            concurrently (on several replicas) and reassembled in order. A batch is
+            split anyway where one request could not hold it (the server's limits).
         retries: times a call that found its replica gone is sent again.
         max_model_bytes: the most bytes a model's variables may declare (its ModelInfo;
             16 GiB): what `get_weights` allocates, and full gradients per example. A
@@ -194,17 +195,34 @@ class GradientClient:
                 gradients; they arrive in that dtype, or as float32 with `upcast=True`.
             out: a previous result of the same call shape whose arrays are refilled
                 in place (no fresh allocation of a large result in a loop).
+
+        A batch larger than one request may hold (the server's `max_batch`, or
+        `max_request_bytes` in `model_info().limits`) is sent in parts, as `micro_batch`
+        sends it, and merged in order; a `dot` whose references leave no room for an
+        example sends them a few rows at a time (the batch's gradients computed once per
+        part) and puts the parts' dots side by side.
         """
         request = self._call(model, timeout=timeout or self._timeout, **call)
         y = np.asarray(y)
-        if self._micro_batch and len(y) > self._micro_batch:
-            if out is not None:
-                raise ValueError("out= refills one result; it does not combine with micro_batch")
-            result = micro_batched(self._compute, self._pool, request, x, y, self._micro_batch)
+        parts = request.reference_parts(self._info(model))
+        if len(parts) > 1:
+            results = [self._batch(part, x, y) for part in parts]
+            check_versions(results)
+            result = side_by_side(results, into=out)
         else:
-            result = self._compute(request, x, y, out=out)
+            result = self._batch(request, x, y, out=out)
         self._seen(model, result.model_version, result.weights_id)
         return _upcast(result) if request.upcast else result
+
+    def _batch(
+        self, call: Call, x: Any, y: np.ndarray, out: GradientResult | None = None
+    ) -> GradientResult:
+        """One call's result, its batch in micro-batches where one request cannot hold it."""
+        size = call.examples_per_request(self._info(call.model), x, y)
+        size = min(size, self._micro_batch or size)
+        if len(y) > size:
+            return micro_batched(self._compute, self._pool, call, x, y, size, out=out)
+        return self._compute(call, x, y, out=out)
 
     def _compute(
         self, call: Call, x: Any, y: Any, out: GradientResult | None = None
@@ -234,10 +252,11 @@ class GradientClient:
         call so that round_robin spreads them. `timeout` bounds the whole stream with
         one server (default: no deadline) and each batch with several.
         """
-        if len(self._replicas) > 1 or self._micro_batch:
+        request = self._call(model, timeout=timeout, **call)
+        in_parts = len(request.reference_parts(self._info(model))) > 1
+        if len(self._replicas) > 1 or self._micro_batch or in_parts:
             compute = functools.partial(self.per_example_gradients, model, timeout=timeout, **call)
             return spread(self._pool, compute, batches, self._max_in_flight)
-        request = self._call(model, timeout=timeout, **call)
         results = pipelined(
             self._stream_call,
             self._info(model),
@@ -308,7 +327,8 @@ class GradientClient:
         with `micro_batch`) and every replica applies it with one new version, once
         all of them have answered that they are up; a replica that fails is named in
         the error (one failing as it applies leaves the others stepped: `set_weights`
-        on all brings them level, starting every optimizer afresh).
+        on all brings them level, starting every optimizer afresh). A batch larger than
+        one request may hold is computed in parts, as on several replicas.
         """
         call = self._call(model, reduction=reduction, model_version=model_version, **options)
         batch = step_call(call)  # refused here, before any replica computes
@@ -320,8 +340,10 @@ class GradientClient:
             learning_rate=learning_rate,
             expected_batch_size=expected_batch_size,
         )
-        if len(self._replicas) == 1:
-            done = on_one(self._step_call, self._info(model), batch, x, y, step, timeout)
+        info, y = self._info(model), np.asarray(y)
+        in_one_request = batch.examples_per_request(info, x, y) >= len(y)
+        if len(self._replicas) == 1 and in_one_request:
+            done = on_one(self._step_call, info, batch, x, y, step, timeout)
         else:
             result = self.per_example_gradients(
                 model,
@@ -333,7 +355,7 @@ class GradientClient:
                 **options,
             )
             step.model_version = 0
-            done = on_all(self._writer(), self._info(model), result, call, step, timeout)
+            done = on_all(self._writer(), info, result, call, step, timeout)
         self._seen(model, done.model_version, done.weights_id)
         return done
 

@@ -83,9 +83,11 @@ def micro_batched(
     x: Any,
     y: np.ndarray,
     size: int,
+    *,
+    out: GradientResult | None = None,
 ) -> GradientResult:
-    """A batch as micro-batches of `size` computed at once, merged in order; `x` one
-    array, or one per model input."""
+    """A batch as micro-batches of `size` computed at once, merged in order (into `out`'s
+    arrays, if given); `x` one array, or one per model input."""
     parts_of = [slice(s, s + size) for s in range(0, len(y), size)]
     futures = [
         pool.submit(compute, call.part(i), rows(x, part), y[part])
@@ -93,7 +95,7 @@ def micro_batched(
     ]
     parts = [f.result() for f in futures]
     check_versions(parts)
-    result = merge(parts)
+    result = merge(parts, into=out)
     if result.batch_size != len(y):
         raise data_loss(f"micro-batches hold {result.batch_size} examples of {len(y)}")
     return result

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 
 from pergrad.client._call import Call
 from pergrad.client._receive import read_results
+from pergrad.client._spread import check_versions
 from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.wire.results import GradientResult
+from pergrad.wire.casting import rows
+from pergrad.wire.results import GradientResult, merge
 
 
 def pipelined(
@@ -24,7 +28,8 @@ def pipelined(
     *,
     max_in_flight: int,
 ) -> Iterator[GradientResult]:
-    """Results in request order; at most `max_in_flight` requests wait for theirs.
+    """Results in request order; at most `max_in_flight` batches wait for theirs. A batch
+    one request cannot hold (the server's limits) goes as several, merged on arrival.
 
     Requests are built lazily in gRPC's sending thread; one that cannot be built (bad
     input) ends the request stream and its error is raised after the earlier results.
@@ -33,16 +38,28 @@ def pipelined(
     finished = threading.Event()
     failures: list[PergradError] = []
     sizes: dict[int, int] = {}
+    parts_of_batches: deque[int] = deque()  # requests per batch, in order
 
     def requests() -> Iterator[pb.GradientsRequest]:
+        request_ids = itertools.count(1)
         try:
-            for request_id, (x, y) in enumerate(batches, start=1):
+            for x, y in batches:
                 while not window.acquire(timeout=0.1):
                     if finished.is_set():
                         return
-                request = call.request(info, x, y, request_id=request_id)
-                sizes[request_id] = int(request.labels.shape[0]) if request.labels.shape else 0
-                yield request
+                y = np.asarray(y)
+                size = call.examples_per_request(info, x, y)
+                parts = [slice(s, s + size) for s in range(0, len(y), size)] or [slice(None)]
+                built = [
+                    call.part(i).request(info, rows(x, part), y[part], request_id=next(request_ids))
+                    for i, part in enumerate(parts)
+                ]
+                parts_of_batches.append(len(built))
+                for request in built:
+                    sizes[request.request_id] = (
+                        int(request.labels.shape[0]) if request.labels.shape else 0
+                    )
+                    yield request
         except PergradError as err:
             failures.append(err)
 
@@ -54,11 +71,17 @@ def pipelined(
     responses = stream_call(requests(), timeout=call.timeout)
     try:
         results = read_results(responses, expect)
+        parts: list[GradientResult] = []
         for expected_id, (request_id, result) in zip(itertools.count(1), results):
             if request_id != expected_id:
                 raise data_loss(f"result for request {request_id} arrived, expected {expected_id}")
+            parts.append(result)
+            if len(parts) < parts_of_batches[0]:
+                continue
+            parts_of_batches.popleft()
             window.release()
-            yield result
+            yield _whole(parts)
+            parts = []
     except grpc.RpcError as err:
         raise from_rpc_error(err) from None
     finally:
@@ -66,3 +89,10 @@ def pipelined(
         responses.cancel()
     if failures:
         raise failures[0]
+
+
+def _whole(parts: list[GradientResult]) -> GradientResult:
+    if len(parts) == 1:
+        return parts[0]
+    check_versions(parts)
+    return merge(parts)

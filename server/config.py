@@ -23,6 +23,9 @@ METRICS_PORT_OFFSET = 100
 # (kernel launches) worth sharing; on a CPU a shared pass costs more than a request's own
 # (`coalescing_bound`).
 AUTO_COALESCED_BATCH = 128
+# --max-request-bytes auto: gRPC's own default message limit, plus the largest served
+# model's variables (`request_bytes_bound`).
+AUTO_REQUEST_BYTES = 4 << 20
 
 
 class ConfigError(ValueError):
@@ -76,7 +79,7 @@ class Config:
     model_dir: Path | None = None
     loss: str | None = None
     max_batch: int = 4096
-    max_request_bytes: int = 64 << 20
+    max_request_bytes: int | None = None  # None: auto (`request_bytes_bound`)
     max_inflight_examples: int = 16384
     max_inflight_bytes: int = 4 << 30
     chunk_bytes: int = 1 << 20
@@ -116,6 +119,16 @@ class Config:
             return self.max_coalesced_batch
         return AUTO_COALESCED_BATCH if gpu else 0
 
+    def request_bytes_bound(self, largest_model_bytes: int) -> int:
+        """--max-request-bytes as a number, auto resolved: gRPC's own default (4 MiB) plus
+        the largest served model's variables, so that a `dot` reference or a step's
+        gradient sum fits beside a batch. A larger limit lets a caller make the server
+        copy more bytes before anything can refuse them (`benchmarks/attacks.py` row 8);
+        the client splits batches to fit."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return AUTO_REQUEST_BYTES + largest_model_bytes
+
     @property
     def max_calls(self) -> int:
         """Calls to the service admitted at once: computing, or waiting for a worker."""
@@ -151,7 +164,7 @@ class Config:
             ("--max-queued-calls", self.max_queued_calls),
             ("--max-streams", self.max_streams),
         ]:
-            if value < 1:
+            if value is not None and value < 1:  # None: auto
                 raise ConfigError(f"{flag} must be positive, got {value}")
         if self.jit_compile not in JIT_CHOICES:
             raise ConfigError(
@@ -243,7 +256,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", default=_env("MAX_BATCH", d.max_batch))
     parser.add_argument(
-        "--max-request-bytes", default=_env("MAX_REQUEST_BYTES", d.max_request_bytes)
+        "--max-request-bytes",
+        default=_env("MAX_REQUEST_BYTES", "auto"),
+        help="bytes of one request message; gRPC refuses a larger one before Python copies "
+        f"it (auto, the default: {AUTO_REQUEST_BYTES >> 20} MiB plus the largest served "
+        "model's variables; the client splits batches to fit)",
     )
     parser.add_argument(
         "--max-inflight-examples",
@@ -386,7 +403,7 @@ def from_args(args: argparse.Namespace) -> Config:
         model_dir=Path(args.model_dir) if args.model_dir else None,
         loss=args.loss,
         max_batch=_number(args, "max_batch", int),
-        max_request_bytes=_number(args, "max_request_bytes", int),
+        max_request_bytes=_auto_or_number(args, "max_request_bytes"),
         max_inflight_examples=_number(args, "max_inflight_examples", int),
         max_inflight_bytes=_number(args, "max_inflight_bytes", int),
         chunk_bytes=_number(args, "chunk_bytes", int),

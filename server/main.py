@@ -23,7 +23,7 @@ from pergrad.server.metrics_http import MetricsEndpoint, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.registry import ModelRegistry, load_model
 from pergrad.server.reflection import add_reflection
-from pergrad.server.service import GradientServicer, add_to_server
+from pergrad.server.service import GradientServicer, add_to_server, max_request_bytes
 from pergrad.server.tls import server_credentials
 from pergrad.server.training import make_optimizer
 from pergrad.wire.rpc import SERVICE_NAME
@@ -135,6 +135,8 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     """Start serving gRPC and /metrics (port 0 picks a free one); returns at once."""
     registry = registry or build_registry(config)
     config = with_coalescing_resolved(config)
+    config = replace(config, max_request_bytes=max_request_bytes(config, registry))
+    _LOGGER.info("--max-request-bytes %d", config.max_request_bytes)
     metrics = ServerMetrics()
     for name in registry.names:
         metrics.model_served(name, registry.get(name).weights.current.version)

@@ -91,6 +91,21 @@ def _header_bound(registry: ModelRegistry) -> int:
     return 2 * max(sizes, default=0) + 4096
 
 
+def max_request_bytes(config: Config, registry: ModelRegistry) -> int:
+    """--max-request-bytes, auto resolved for the served models (`Config.request_bytes_bound`)."""
+    largest = max((_variables_bytes(registry.get(n)) for n in registry.names), default=0)
+    return config.request_bytes_bound(largest)
+
+
+def _variables_bytes(served: ServedModel) -> int:
+    """The bytes of one value per variable element, float32 at least: a `dot` reference
+    of one row, or a step's gradient sum."""
+    return sum(
+        int(np.prod(v.shape, dtype=np.int64)) * max(4, np.dtype(v.dtype).itemsize)
+        for v in served.engine.variables
+    )
+
+
 class OversizedHeader(InvalidArgument):
     """A SetWeights header refused from its size, and the model it names (the first name
     sent; None if none could be read), whose update has failed."""
@@ -137,6 +152,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         self._settings = Settings(
             config.max_batch, config.chunk_bytes, config.replica_name, config.max_coalesced_batch
         )
+        self._max_request_bytes = max_request_bytes(config, registry)
         self._header_bound = _header_bound(registry)
         self._fields_needed = _fields_needed(registry)
         # Twice as many, and 64: room for fields sent twice and fields a newer client sets.
@@ -233,7 +249,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             server=self._config.replica_name,
             limits=pb.ServerLimits(
                 max_batch=self._config.max_batch,
-                max_request_bytes=self._config.max_request_bytes,
+                max_request_bytes=self._max_request_bytes,
                 max_inflight_examples=self._config.max_inflight_examples,
                 max_inflight_bytes=self._config.max_inflight_bytes,
                 max_coalesced_batch=self._config.max_coalesced_batch,

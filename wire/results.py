@@ -152,9 +152,10 @@ def _size(
     return (int(options[token]),)
 
 
-def merge(parts: Sequence[GradientResult]) -> GradientResult:
+def merge(parts: Sequence[GradientResult], *, into: GradientResult | None = None) -> GradientResult:
     """The result of a batch from its micro-batches' results, in order: per-example rows
-    concatenated, sums and counts added (`Output.rows`)."""
+    concatenated, sums and counts added (`Output.rows`); copied into `into`'s arrays
+    (a result of the same call shape) if given."""
     first = parts[0]
     outputs: dict[str, Any] = {}
     for field, value in first.outputs.items():
@@ -165,7 +166,7 @@ def merge(parts: Sequence[GradientResult]) -> GradientResult:
         else:
             outputs[field] = _combine(output, values)
     servers = ",".join(dict.fromkeys(p.server for p in parts))
-    return GradientResult(
+    merged = GradientResult(
         np.concatenate([p.losses for p in parts]),
         model_version=first.model_version,
         weights_id=first.weights_id,
@@ -175,6 +176,51 @@ def merge(parts: Sequence[GradientResult]) -> GradientResult:
         catalogue=first._catalogue,
         **outputs,
     )
+    return merged if into is None else _refilled(into, merged)
+
+
+def side_by_side(
+    parts: Sequence[GradientResult], *, into: GradientResult | None = None
+) -> GradientResult:
+    """The result of a batch from its results on parts of an option's rows (a `dot`'s
+    reference rows, "K"): outputs with a "K" dimension joined along it, in order; the
+    others, the batch's own (losses), from the first part."""
+    first = parts[0]
+    outputs = dict(first.outputs)
+    for field in first.outputs:
+        shape = first._catalogue.output(field).shape
+        if "K" in shape:
+            outputs[field] = np.concatenate(
+                [p.outputs[field] for p in parts], axis=shape.index("K")
+            )
+    joined = GradientResult(
+        first.losses,
+        model_version=first.model_version,
+        weights_id=first.weights_id,
+        model=first.model,
+        server=",".join(dict.fromkeys(p.server for p in parts)),
+        plan_id=",".join(dict.fromkeys(p.plan_id for p in parts)),
+        catalogue=first._catalogue,
+        **outputs,
+    )
+    return joined if into is None else _refilled(into, joined)
+
+
+def _refilled(into: GradientResult, result: GradientResult) -> GradientResult:
+    """`into` holding `result`'s values, in its own arrays (ValueError if their shapes differ)."""
+    np.copyto(into.losses, result.losses)
+    for field, value in result.outputs.items():
+        held = into.outputs.get(field)
+        if isinstance(value, Mapping) and isinstance(held, Mapping) and held.keys() == value.keys():
+            for name, array in value.items():
+                np.copyto(held[name], array)
+        elif isinstance(value, np.ndarray) and isinstance(held, np.ndarray):
+            np.copyto(held, value)
+        else:
+            into.outputs[field] = value
+    for key in ("model_version", "weights_id", "model", "server", "plan_id"):
+        into.__dict__[key] = result.__dict__[key]
+    return into
 
 
 def _combine(output: Output, values: list[Any]) -> Any:

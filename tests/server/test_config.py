@@ -9,6 +9,7 @@ import pytest
 
 from pergrad.server.config import (
     AUTO_COALESCED_BATCH,
+    AUTO_REQUEST_BYTES,
     METRICS_PORT_OFFSET,
     Config,
     ConfigError,
@@ -100,6 +101,8 @@ def test_open_services_share_the_port_unless_given_their_own(
         (["--batch-window-ms", "nan"], "--batch-window-ms must be in"),
         (["--max-coalesced-batch", "-4"], "--max-coalesced-batch must be >= 0"),
         (["--max-coalesced-batch", "many"], "--max-coalesced-batch .* must be a number"),
+        (["--max-request-bytes", "0"], "--max-request-bytes must be positive"),
+        (["--max-request-bytes", "4MiB"], "--max-request-bytes .* must be a number or auto"),
         (["--optimizer", "sgd:momentum"], "--optimizer 'sgd:momentum': settings are key=value"),
         (["--optimizer", "adam:beta_1=high"], "'high' is not a number, true or false"),
         (["--optimizer", ":momentum=0.9"], "begins with an optimizer's name"),
@@ -146,6 +149,23 @@ def test_auto_coalescing_shares_passes_only_with_a_gpu(gpu: bool) -> None:
 @pytest.mark.parametrize("gpu", [False, True])
 def test_a_coalescing_bound_given_is_kept_with_or_without_a_gpu(gpu: bool) -> None:
     assert parse(["--max-coalesced-batch", "32"]).coalescing_bound(gpu=gpu) == 32
+
+
+@pytest.mark.parametrize("argv", [[], ["--max-request-bytes", "auto"]])
+def test_the_message_limit_is_auto_by_default_or_when_asked(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PERGRAD_MAX_REQUEST_BYTES", raising=False)
+    assert parse(argv).max_request_bytes is None
+
+
+def test_the_auto_message_limit_makes_room_for_the_largest_models_variables() -> None:
+    assert Config().request_bytes_bound(407_080) == AUTO_REQUEST_BYTES + 407_080
+
+
+def test_a_message_limit_given_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERGRAD_MAX_REQUEST_BYTES", "65536")
+    assert parse([]).request_bytes_bound(407_080) == 65536
 
 
 def test_non_numeric_environment_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

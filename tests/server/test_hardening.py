@@ -69,11 +69,14 @@ def test_result_over_the_inflight_bytes_is_refused_at_once(small_server) -> None
 
 
 def test_request_over_the_message_limit_is_resource_exhausted(small_server) -> None:
-    with GradientClient(_target(small_server)) as client:
-        x, y = batch_for((784,), 10, 400)  # 1.25 MB of inputs
-        with pytest.raises(PergradError) as err:
-            client.per_example_gradients("mnist_mlp", x, y, reduction="norms")
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    """Sent whole (the client would split it): gRPC refuses it unread."""
+    x, y = batch_for((784,), 10, 400)  # 1.25 MB of inputs
+    request = pb.GradientsRequest(model="mnist_mlp", inputs=_tensor(x), labels=_tensor(y))
+    with grpc.insecure_channel(_target(small_server)) as channel:
+        call = channel.unary_stream("/pergrad.v1.GradientService/ComputePerExampleGradients")
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(request.SerializeToString(), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert _serving(small_server)
 
 

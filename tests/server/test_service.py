@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError, ServerLimits
-from pergrad.server.config import AUTO_COALESCED_BATCH, Config
+from pergrad.server.config import AUTO_COALESCED_BATCH, AUTO_REQUEST_BYTES, Config
 from pergrad.server.main import SERVICE_NAME, RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.registry import ModelRegistry, serve_model
@@ -71,12 +71,17 @@ def test_model_info_describes_variables_input_labels_and_loss(client: GradientCl
 def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) -> None:
     """What a client needs to size batches and to know replicas agree; the conftest
     server runs with --max-batch 512, --jit-compile off, passes shared (`loopback_config`)
-    and the other defaults."""
+    and the other defaults: its message limit is gRPC's default plus its largest model's
+    float32 variables, room for a `dot` reference or a step's gradient sum."""
     info = client.model_info("mnist_mlp")
     defaults = Config()
+    largest = max(
+        sum(4 * int(np.prod(v.shape)) for v in client.model_info(name).variables)
+        for name in client.list_models()
+    )
     assert info.limits == ServerLimits(
         max_batch=512,
-        max_request_bytes=defaults.max_request_bytes,
+        max_request_bytes=AUTO_REQUEST_BYTES + largest,
         max_inflight_examples=defaults.max_inflight_examples,
         max_inflight_bytes=defaults.max_inflight_bytes,
         max_coalesced_batch=AUTO_COALESCED_BATCH,
@@ -245,13 +250,6 @@ def test_pinned_version_that_is_not_current_fails_precondition(client: GradientC
             np.zeros(0, np.int32),
             grpc.StatusCode.INVALID_ARGUMENT,
             "inputs: empty batch",
-        ),
-        (
-            "mnist_mlp",
-            np.zeros((600, 784), np.float32),
-            np.zeros(600, np.int32),
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "batch of 600 exceeds --max-batch 512",
         ),
     ],
 )
