@@ -42,6 +42,11 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   place;
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
   they then hold no thread, only their Watch place until they end;
+- refuses a caller's calls to the service before their request is read while the
+  requests it had refused for what they held (INVALID_ARGUMENT, NOT_FOUND) came to more
+  than its budget of bytes in the last seconds (`refused.RefusedBytes`): each was
+  received and copied before it could be refused, and a caller sending large ones in a
+  loop would make the server copy for nothing, with the GIL every call waits for;
 - refuses a request to an open service over OPEN_REQUEST_BYTES before it is parsed
   (RESOURCE_EXHAUSTED): gRPC has copied it into Python by then, unless the open services
   have a server of their own (`--open-services-port`), whose C core refuses it first;
@@ -72,6 +77,7 @@ from pergrad.server.handlers import (
     replaced,
 )
 from pergrad.server.interceptors import ended_by_client
+from pergrad.server.refused import RefusedBytes
 from pergrad.server.status import RefusedRequest, Sized, note_request_bytes, sized
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
@@ -87,6 +93,10 @@ PERMIT_POLL_S = 0.5
 # A connection's calls to health Check and reflection hold at most 1/OPEN_SHARE of the
 # open services' places (Watches have places of their own: a client may open 16 at once).
 OPEN_SHARE = 2
+# The codes of calls refused for what their request held, whose bytes a caller's refused
+# budget counts (an admission's RESOURCE_EXHAUSTED or a pin's FAILED_PRECONDITION come
+# to honest callers of a busy or changing server).
+REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND})
 # A request to health or reflection names a service or a symbol: larger ones are refused
 # before they are parsed (8 callers without a token sending 57 MiB health checks made
 # honest calls 350x slower, three quarters of the GIL in protobuf's parsing:
@@ -290,10 +300,12 @@ class CallGuard(grpc.ServerInterceptor):
         per_caller_streams: int | None = None,
         per_caller_calls: int | None = None,
         admission: Admission | None = None,
+        refused: RefusedBytes | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
         self._admission = admission
+        self._refused = refused or RefusedBytes()
         self._calls = _Places(max_calls)
         self._permits = threading.Semaphore(workers)
         self._shares = _Shares(max(1, workers // 2))
@@ -358,7 +370,8 @@ class CallGuard(grpc.ServerInterceptor):
         if open_service:
             parse = _open_parser(parse)
         if handler.request_streaming:
-            return replaced(handler, guarded, request_deserializer=parse)
+            each = parse if open_service else sized(parse)
+            return replaced(handler, guarded, request_deserializer=each)
         return as_request_stream(handler, guarded, sized(parse))
 
     def _token_places(
@@ -419,12 +432,31 @@ class CallGuard(grpc.ServerInterceptor):
                 place.hold_until_done(context)
             if open_service:
                 self._open_share(context)
+                return served(iterator, context, None)
+            caller = self._caller(context)
+            self._within_refused_budget(caller, context)
+            read = [0]
+            try:
+                return served(iterator, context, read, lambda: self._count(caller, read, context))
+            except BaseException:
+                self._count(caller, read, context)
+                raise
+
+        def served(
+            iterator: Iterator[Any],
+            context: grpc.ServicerContext,
+            read: list[int] | None,
+            on_error: Callable[[], None] = lambda: None,
+        ) -> Any:
+            """The call served, its requests' bytes added up in `read` (calls to the
+            service: `handle`)."""
             if handler.request_streaming:
                 if not open_service:
                     _compute_permit(self._permits, context)
-                result = behavior(self._requests(iterator, context, method, waiting), context)
+                requests = self._requests(iterator, context, method, waiting, read)
+                result = behavior(requests, context)
             else:
-                request, nbytes = self._request(iterator, context, method, waiting)
+                request, nbytes = self._request(iterator, context, method, waiting, read)
                 if not open_service:
                     note_request_bytes(context, nbytes)
                     self._hold(request, nbytes, context)
@@ -432,10 +464,28 @@ class CallGuard(grpc.ServerInterceptor):
                     _compute_permit(self._permits, context)
                 result = behavior(request, context)
             if handler.response_streaming:
-                return self._responses(result, context, method)
+                return self._responses(result, context, method, on_error)
             return result
 
         return handle
+
+    def _within_refused_budget(self, caller: str, context: grpc.ServicerContext) -> None:
+        """Refuse the call before its request is read while its caller's refused bytes
+        are over their budget (`refused.RefusedBytes`)."""
+        wait_s = self._refused.wait_s(caller)
+        if wait_s > 0:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this caller's requests refused in the last {self._refused.window_s:g} s "
+                f"(INVALID_ARGUMENT, NOT_FOUND) came to more than "
+                f"{self._refused.budget >> 20} MiB: its calls are refused unread for "
+                f"{wait_s:.1f} s more; fix what those refusals named",
+            )
+
+    def _count(self, caller: str, read: list[int], context: grpc.ServicerContext) -> None:
+        """A refused call's request bytes, against its caller's budget."""
+        if read[0] and context.code() in REFUSALS:
+            self._refused.add(caller, read[0])
 
     def _open_share(self, context: grpc.ServicerContext) -> None:
         """Hold one of the connection's share of the open services' places until the call
@@ -473,12 +523,14 @@ class CallGuard(grpc.ServerInterceptor):
         context: grpc.ServicerContext,
         method: str,
         waiting: _Place | None = None,
+        read: list[int] | None = None,
     ) -> Iterator[Any]:
         """The requests, each waited for under the stall timer (and, with `waiting`, an
         open service's call, as one that may be evicted meanwhile, its requests refused
         by `_open_parser` ending it). A call cancelled as stalled or evicted ends
         CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
-        which the handler would take for the client's end)."""
+        which the handler would take for the client's end). Sized requests are handed on
+        bare, their bytes added to `read`."""
         while True:
             token = self._waits.start(context, method)
             if waiting is not None:
@@ -494,21 +546,32 @@ class CallGuard(grpc.ServerInterceptor):
                     context.abort(grpc.StatusCode.CANCELLED, _ENDED.format(method=method))
             if item is _NOTHING:
                 return
-            request = item.request if isinstance(item, Sized) else item
-            if waiting is not None and isinstance(request, RefusedRequest):
-                error = request.error
+            if isinstance(item, Sized):
+                item, nbytes = item
+                if read is not None:
+                    read[0] += nbytes
+            if waiting is not None and isinstance(item, RefusedRequest):
+                error = item.error
                 context.abort(grpc.StatusCode[error.code], f"{method}: {error}")
             yield item
 
     def _responses(
-        self, iterator: Iterator[Any], context: grpc.ServicerContext, method: str
+        self,
+        iterator: Iterator[Any],
+        context: grpc.ServicerContext,
+        method: str,
+        on_error: Callable[[], None],
     ) -> Iterator[Any]:
-        for item in iterator:
-            token = self._waits.start(context, method)  # until gRPC has sent it and asks again
-            try:
-                yield item
-            finally:
-                self._waits.end(token)
+        try:
+            for item in iterator:
+                token = self._waits.start(context, method)  # until gRPC has sent it and asks
+                try:
+                    yield item
+                finally:
+                    self._waits.end(token)
+        except BaseException:
+            on_error()
+            raise
 
     def _request(
         self,
@@ -516,10 +579,12 @@ class CallGuard(grpc.ServerInterceptor):
         context: grpc.ServicerContext,
         method: str,
         waiting: _Place | None = None,
+        read: list[int] | None = None,
     ) -> Sized:
         """The one request of a call to a method that takes one (then the client's end),
-        with its size on the wire."""
-        requests = self._requests(iterator, context, method, waiting)
+        with its size on the wire (added to `read` too)."""
+        read = [0] if read is None else read
+        requests = self._requests(iterator, context, method, waiting, read)
         try:
             request = next(requests, _NOTHING)
             more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
@@ -532,7 +597,7 @@ class CallGuard(grpc.ServerInterceptor):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request, got {many}"
             )
-        return request
+        return Sized(request, read[0])
 
 
 def _compute_permit(permits: threading.Semaphore, context: grpc.ServicerContext) -> None:

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pergrad.server import engine
-from pergrad.server.config import add_arguments
+from pergrad.server.config import AUTO_REQUEST_BYTES, add_arguments
 from pergrad.server.engine.rules import LayerRegistry, default_registry
+from pergrad.server.refused import REFUSED_BYTES_BUDGET, REFUSED_WINDOW_S
 from pergrad.wire.catalogue import CATALOGUE
 from tests.conftest import ROOT
 from tests.helpers import LOOP_ERROR_FACTOR, RELATIVE_TOLERANCE
@@ -168,3 +169,13 @@ def test_readme_states_the_tolerances_the_tests_hold() -> None:
     contract = f"{RELATIVE_TOLERANCE:.0e}".replace("e-0", "e-")  # as the README writes it
     assert f"within {contract} of its largest entry" in text
     assert f"max({contract}, {LOOP_ERROR_FACTOR}·e)" in text
+
+
+def test_readme_states_the_refused_bytes_budget_the_guard_holds() -> None:
+    text = " ".join(README.split())
+    assert f"{REFUSED_BYTES_BUDGET >> 20} MiB of them in any {REFUSED_WINDOW_S:g} s" in text
+
+
+def test_readme_states_the_auto_message_limit() -> None:
+    text = " ".join(README.split())
+    assert f"auto, the default, is gRPC's own {AUTO_REQUEST_BYTES >> 20} MiB" in text

@@ -41,6 +41,7 @@ from pergrad.server.main import (
 )
 from pergrad.server.models.builtin import LOSS
 from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_model
+from pergrad.server.refused import REFUSED_BYTES_BUDGET
 from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
@@ -1321,3 +1322,31 @@ def test_a_variables_filter_of_every_variable_twice_is_served(client: GradientCl
     x, y = batch_for((784,), 10, 4)
     result = client.per_example_gradients("mnist_mlp", x, y, reduction="norms", variables=names)
     assert result.norms.shape == (4,)
+
+
+def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread() -> None:
+    """A connection (no tokens) sending requests at the message limit that are refused
+    once read (a label short): once their bytes pass its budget, its next call is
+    RESOURCE_EXHAUSTED before its request is read; another connection is served."""
+    running = _start()
+    try:
+        with GradientClient(_target(running), options=OWN_CONNECTION) as honest:
+            limit = honest.model_info("mnist_mlp").limits.max_request_bytes
+            x, y = batch_for((784,), 10, (limit - 4096) // (784 * 4 + 4))
+            request = pb.GradientsRequest(
+                model="mnist_mlp", inputs=encode_tensor(x), labels=encode_tensor(y[:-1])
+            ).SerializeToString()
+            codes = []
+            with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
+                unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
+                for _ in range(REFUSED_BYTES_BUDGET // len(request) + 2):
+                    err = _raw_call_error(unary(request, timeout=30))
+                    codes.append(err.code())
+                    if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                        break
+            assert codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED, codes
+            assert "refused unread" in err.details()
+            assert len(codes) - 1 == REFUSED_BYTES_BUDGET // len(request) + 1
+            assert honest.per_example_gradients("mnist_mlp", x[:4], y[:4], reduction="norms")
+    finally:
+        running.stop(0)
