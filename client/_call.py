@@ -18,9 +18,10 @@ from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
 from pergrad.wire.messages import gradients_request
 from pergrad.wire.results import ExpectedOutput, expected_outputs
 
-# What a request holds besides its batch and its options' tensors, at most: names,
-# shapes, the other options.
-REQUEST_OVERHEAD = 64 << 10
+# What a request holds besides its batch's rows, its options' tensors and the names it
+# carries, at most: scalar options, field tags; and per tensor, its name, dtype and shape.
+REQUEST_OVERHEAD = 4 << 10
+TENSOR_OVERHEAD = 128
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,10 @@ class Call:
         that a larger batch goes in parts; RESOURCE_EXHAUSTED if one example does not
         fit beside the options' tensors (a `dot`'s references: see `reference_parts`)."""
         limits = info.limits
-        most = limits.max_batch or max(len(y), 1)
+        most = limits.max_batch or max(rows_of(y), 1)
         if not limits.max_request_bytes:
             return most
-        fixed = REQUEST_OVERHEAD + self._tensor_bytes()
+        fixed = self._header_bytes(info) + self._tensor_bytes()
         row = _example_bytes(info, x, y)
         fits = (limits.max_request_bytes - fixed) // max(row, 1)
         if fits < 1:
@@ -125,7 +126,7 @@ class Call:
         leaving the batch the rest; their results' dots side by side are this call's.
         Else [self]."""
         references = self.options.get("reference") if self.reduction.name == "dot" else None
-        room = info.limits.max_request_bytes - REQUEST_OVERHEAD
+        room = info.limits.max_request_bytes - self._header_bytes(info)
         if not references or not info.limits.max_request_bytes or self._tensor_bytes() <= room // 2:
             return [self]
         arrays = {name: np.asarray(value) for name, value in references.items()}
@@ -143,13 +144,27 @@ class Call:
             for s in range(0, count, rows)
         ]
 
-    def _tensor_bytes(self) -> int:
-        """The bytes of the options' tensors (a `dot`'s references), sent with every part."""
-        return sum(
-            np.asarray(array).nbytes
+    def _tensors(self) -> list[np.ndarray]:
+        """The options' tensors (a `dot`'s references), sent with every part."""
+        return [
+            np.asarray(array)
             for option in self.reduction.options
             if option.kind == "tensors"
             for array in (self.options.get(option.name) or {}).values()
+        ]
+
+    def _tensor_bytes(self) -> int:
+        return sum(array.nbytes for array in self._tensors())
+
+    def _header_bytes(self, info: ModelInfo) -> int:
+        """What a request of this call holds besides the batch's rows and the options'
+        tensors' bytes, at most."""
+        names = [self.model, self.weights_id, *(self.variables or ())]
+        tensors = len(info.inputs) + 1 + len(self._tensors())
+        return (
+            REQUEST_OVERHEAD
+            + sum(len(name.encode()) + 8 for name in names)
+            + tensors * (TENSOR_OVERHEAD + max((len(v.name) for v in info.variables), default=0))
         )
 
     def expected(self, info: ModelInfo, batch: int) -> list[tuple[ExpectedOutput, np.dtype | None]]:
@@ -192,3 +207,29 @@ def _example_bytes(info: ModelInfo, x: Any, y: np.ndarray) -> int:
         for spec, shape in zip(info.inputs, shapes, strict=False)
     )
     return inputs + int(np.prod(y.shape[1:], dtype=np.int64)) * info.labels.dtype.itemsize
+
+
+def rows_of(y: np.ndarray) -> int:
+    """The examples labels hold (0 for a scalar: the server names what is wrong)."""
+    return int(y.shape[0]) if y.ndim else 0
+
+
+def request_examples(request: pb.GradientsRequest) -> int:
+    """The examples a request's labels declare."""
+    return int(request.labels.shape[0]) if request.labels.shape else 0
+
+
+def batch_of(info: ModelInfo, x: Any, y: np.ndarray) -> dict[str, np.ndarray]:
+    """x as one array per input name, refused (INVALID_ARGUMENT) unless each holds a row
+    per label: what a batch is split from (a part would drop rows silently)."""
+    try:
+        values = arrays_by_input(x, [i.name for i in info.inputs])
+        arrays = {i.name: np.asarray(v) for i, v in zip(info.inputs, values, strict=True)}
+    except (CastError, ValueError) as err:
+        raise invalid(f"inputs: {err}") from None
+    rows = {name: int(a.shape[0]) if a.ndim else 0 for name, a in arrays.items()}
+    if y.ndim == 0 or any(n != len(y) for n in rows.values()):
+        raise invalid(
+            f"inputs hold {rows} examples and labels {rows_of(y)}: one row per label needed"
+        )
+    return arrays

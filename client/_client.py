@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pergrad.client._call import Call
+from pergrad.client._call import Call, batch_of, rows_of
 from pergrad.client._channels import open_channel, replica_addresses
 from pergrad.client._credentials import Security
 from pergrad.client._spread import check_versions, computed, micro_batched, spread
@@ -111,6 +111,9 @@ class GradientClient:
         self._retries = retries
         self._max_model_bytes = max_model_bytes
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pergrad-client")
+        # The parts of one call, apart from the calls `stream` spreads over `_pool`: a
+        # call on a pool thread waits for its parts, which must not wait for it.
+        self._parts = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pergrad-parts")
         self._infos: dict[str, ModelInfo] = {}
         # (model, version) -> weights_id, as seen: a pinned version is pinned by content.
         self._ids: dict[tuple[str, int], str] = {}
@@ -123,7 +126,8 @@ class GradientClient:
         self.close()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._parts):
+            pool.shutdown(wait=False, cancel_futures=True)
         for channel in [self._channel, *self._replica_channels]:
             channel.close()
 
@@ -218,10 +222,12 @@ class GradientClient:
         self, call: Call, x: Any, y: np.ndarray, out: GradientResult | None = None
     ) -> GradientResult:
         """One call's result, its batch in micro-batches where one request cannot hold it."""
-        size = call.examples_per_request(self._info(call.model), x, y)
+        info = self._info(call.model)
+        size = call.examples_per_request(info, x, y)
         size = min(size, self._micro_batch or size)
-        if len(y) > size:
-            return micro_batched(self._compute, self._pool, call, x, y, size, out=out)
+        if rows_of(y) > size:
+            x = batch_of(info, x, y)
+            return micro_batched(self._compute, self._parts, call, x, y, size, out=out)
         return self._compute(call, x, y, out=out)
 
     def _compute(
@@ -248,9 +254,11 @@ class GradientClient:
         """Results of many (x, y) batches, in order, with at most `max_in_flight` waiting.
 
         Takes the keywords of `per_example_gradients`. With one server, the batches
-        share one StreamPerExampleGradients call; with several, each batch is its own
-        call so that round_robin spreads them. `timeout` bounds the whole stream with
-        one server (default: no deadline) and each batch with several.
+        share one StreamPerExampleGradients call (a batch larger than one request may
+        hold goes as several of its requests); with several, or with `micro_batch`, or a
+        `dot` whose references go in parts, each batch is its own call (so that
+        round_robin spreads them). `timeout` bounds the whole stream in the first case
+        (default: no deadline) and each batch in the others.
         """
         request = self._call(model, timeout=timeout, **call)
         in_parts = len(request.reference_parts(self._info(model))) > 1
@@ -341,7 +349,7 @@ class GradientClient:
             expected_batch_size=expected_batch_size,
         )
         info, y = self._info(model), np.asarray(y)
-        in_one_request = batch.examples_per_request(info, x, y) >= len(y)
+        in_one_request = batch.examples_per_request(info, x, y) >= rows_of(y)
         if len(self._replicas) == 1 and in_one_request:
             done = on_one(self._step_call, info, batch, x, y, step, timeout)
         else:

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pergrad.client._call import Call
+from pergrad.client._call import Call, request_examples
 from pergrad.client._receive import read_results
 from pergrad.client._types import (
     MixedPlansWarning,
@@ -39,7 +39,7 @@ def computed(
     out: GradientResult | None = None,
 ) -> GradientResult:
     """The result of one request, sent again while its replica is gone and retries remain."""
-    expected = call.expected(info, int(request.labels.shape[0]) if request.labels.shape else 0)
+    expected = call.expected(info, request_examples(request))
     for attempt in range(retries + 1):
         try:
             responses = compute_call(request, timeout=call.timeout)
@@ -88,10 +88,9 @@ def micro_batched(
 ) -> GradientResult:
     """A batch as micro-batches of `size` computed at once, merged in order (into `out`'s
     arrays, if given); `x` one array, or one per model input."""
-    parts_of = [slice(s, s + size) for s in range(0, len(y), size)]
     futures = [
         pool.submit(compute, call.part(i), rows(x, part), y[part])
-        for i, part in enumerate(parts_of)
+        for i, part in enumerate(part_slices(len(y), size))
     ]
     parts = [f.result() for f in futures]
     check_versions(parts)
@@ -99,6 +98,11 @@ def micro_batched(
     if result.batch_size != len(y):
         raise data_loss(f"micro-batches hold {result.batch_size} examples of {len(y)}")
     return result
+
+
+def part_slices(count: int, size: int) -> list[slice]:
+    """The rows of each part of `count` examples, `size` at most in each (one part if none)."""
+    return [slice(s, s + size) for s in range(0, count, size)] or [slice(None)]
 
 
 def spread(

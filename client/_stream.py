@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pergrad.client._call import Call
+from pergrad.client._call import Call, batch_of, request_examples, rows_of
 from pergrad.client._receive import read_results
-from pergrad.client._spread import check_versions
+from pergrad.client._spread import check_versions, part_slices
 from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import rows
@@ -49,16 +49,16 @@ def pipelined(
                         return
                 y = np.asarray(y)
                 size = call.examples_per_request(info, x, y)
-                parts = [slice(s, s + size) for s in range(0, len(y), size)] or [slice(None)]
+                parts = part_slices(rows_of(y), size)
+                if len(parts) > 1:
+                    x = batch_of(info, x, y)
                 built = [
                     call.part(i).request(info, rows(x, part), y[part], request_id=next(request_ids))
                     for i, part in enumerate(parts)
                 ]
                 parts_of_batches.append(len(built))
                 for request in built:
-                    sizes[request.request_id] = (
-                        int(request.labels.shape[0]) if request.labels.shape else 0
-                    )
+                    sizes[request.request_id] = request_examples(request)
                     yield request
         except PergradError as err:
             failures.append(err)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from pergrad.server.errors import ResourceExhausted
+from pergrad.server.errors import RequestTooLarge, ResourceExhausted
 
 _BOUNDS = "--max-inflight-examples, --max-inflight-bytes"
 
@@ -50,7 +50,7 @@ class Admission:
         self, examples: int, nbytes: int, caller: str, what: str, own: int = 0
     ) -> Callable[[], None]:
         if examples > self._max_examples or own + nbytes > self._max_bytes:
-            raise ResourceExhausted(
+            raise RequestTooLarge(
                 f"call needs {examples} examples and {own + nbytes} bytes held (its "
                 f"{what} and request); this server admits "
                 f"at most {self._max_examples} and {self._max_bytes} ({_BOUNDS}): send "

@@ -26,6 +26,8 @@ AUTO_COALESCED_BATCH = 128
 # --max-request-bytes auto: gRPC's own default message limit, plus the largest served
 # model's variables (`request_bytes_bound`).
 AUTO_REQUEST_BYTES = 4 << 20
+# gRPC takes a message limit as a C int.
+MAX_REQUEST_BYTES = 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -119,15 +121,15 @@ class Config:
             return self.max_coalesced_batch
         return AUTO_COALESCED_BATCH if gpu else 0
 
-    def request_bytes_bound(self, largest_model_bytes: int) -> int:
+    def request_bytes_bound(self, unsplittable_bytes: int) -> int:
         """--max-request-bytes as a number, auto resolved: gRPC's own default (4 MiB) plus
-        the largest served model's variables, so that a `dot` reference or a step's
-        gradient sum fits beside a batch. A larger limit lets a caller make the server
-        copy more bytes before anything can refuse them (`benchmarks/attacks.py` row 8);
-        the client splits batches to fit."""
+        the most a served model's request holds that cannot be split (a `dot` reference
+        row or a step's gradient sum, and one example), within gRPC's bound. A larger
+        limit lets a caller make the server copy more bytes before anything can refuse
+        them (`benchmarks/attacks.py` row 8); the client splits batches to fit."""
         if self.max_request_bytes is not None:
             return self.max_request_bytes
-        return AUTO_REQUEST_BYTES + largest_model_bytes
+        return min(AUTO_REQUEST_BYTES + unsplittable_bytes, MAX_REQUEST_BYTES)
 
     @property
     def max_calls(self) -> int:
@@ -166,6 +168,11 @@ class Config:
         ]:
             if value is not None and value < 1:  # None: auto
                 raise ConfigError(f"{flag} must be positive, got {value}")
+        if (self.max_request_bytes or 0) > MAX_REQUEST_BYTES:
+            raise ConfigError(
+                f"--max-request-bytes must be at most {MAX_REQUEST_BYTES} (gRPC's bound), "
+                f"got {self.max_request_bytes}"
+            )
         if self.jit_compile not in JIT_CHOICES:
             raise ConfigError(
                 f"--jit-compile must be one of {sorted(JIT_CHOICES)}, got {self.jit_compile!r}"
@@ -259,8 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-bytes",
         default=_env("MAX_REQUEST_BYTES", "auto"),
         help="bytes of one request message; gRPC refuses a larger one before Python copies "
-        f"it (auto, the default: {AUTO_REQUEST_BYTES >> 20} MiB plus the largest served "
-        "model's variables; the client splits batches to fit)",
+        f"it (auto, the default: {AUTO_REQUEST_BYTES >> 20} MiB plus the most a served "
+        "model's request holds that cannot be split: its variables in float32 and one "
+        "example; the client splits batches to fit)",
     )
     parser.add_argument(
         "--max-inflight-examples",

@@ -26,6 +26,11 @@ class ResourceExhausted(PergradServerError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class RequestTooLarge(ResourceExhausted):
+    """A request over a bound on one request (--max-batch, or what one call alone may
+    hold): refused for what it holds, as an INVALID_ARGUMENT one is."""
+
+
 class Cancelled(PergradServerError):
     """The caller went away (cancelled, or past its deadline); the work stopped."""
 

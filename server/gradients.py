@@ -21,7 +21,11 @@ from pergrad.server.engine import Batch, Engine
 from pergrad.server.engine.engine import fingerprint
 from pergrad.server.engine.group import Job
 from pergrad.server.engine.sinks import Sink
-from pergrad.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from pergrad.server.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    RequestTooLarge,
+)
 from pergrad.server.memory import in_flight
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
@@ -80,8 +84,8 @@ class Work:
         return sum(int(np.prod(e.shape)) * dtype.itemsize for e, dtype in self.outputs)
 
 
-def _over_max_batch(what: str, batch: int, max_batch: int) -> ResourceExhausted:
-    return ResourceExhausted(
+def _over_max_batch(what: str, batch: int, max_batch: int) -> RequestTooLarge:
+    return RequestTooLarge(
         f"{what}: batch of {batch} exceeds --max-batch {max_batch} "
         "(ModelInfo.limits.max_batch); split it"
     )
@@ -94,7 +98,7 @@ def _decode(tensor: tensor_pb2.Tensor, what: str, max_batch: int) -> np.ndarray:
     return decode_tensor(tensor, what=what)
 
 
-def oversized_batch(data: bytes, max_batch: int, *, in_field: int = 0) -> ResourceExhausted | None:
+def oversized_batch(data: bytes, max_batch: int, *, in_field: int = 0) -> RequestTooLarge | None:
     """The refusal of a gradients request (or, with `in_field`, of the one in this field
     of a message) whose bytes declare a batch over --max-batch, found before it is
     parsed; None where they declare none, or cannot be read but by parsing."""

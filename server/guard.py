@@ -43,8 +43,9 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
 - lets non-blocking handlers (health Watch) return as soon as their request is read:
   they then hold no thread, only their Watch place until they end;
 - refuses a caller's calls to the service before their request is read while the
-  requests it had refused for what they held (INVALID_ARGUMENT, NOT_FOUND) came to more
-  than its budget of bytes in the last seconds (`refused.RefusedBytes`): each was
+  requests it had refused for what they held (malformed, naming what is not served, over
+  a bound on one request: `status.refused_for_content`) came to more than its budget of
+  bytes in the last seconds (`refused.RefusedBytes`): each was
   received and copied before it could be refused, and a caller sending large ones in a
   loop would make the server copy for nothing, with the GIL every call waits for;
 - refuses a request to an open service over OPEN_REQUEST_BYTES before it is parsed
@@ -78,7 +79,13 @@ from pergrad.server.handlers import (
 )
 from pergrad.server.interceptors import ended_by_client
 from pergrad.server.refused import RefusedBytes
-from pergrad.server.status import RefusedRequest, Sized, note_request_bytes, sized
+from pergrad.server.status import (
+    RefusedRequest,
+    Sized,
+    note_request_bytes,
+    refused_for_content,
+    sized,
+)
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
@@ -93,10 +100,6 @@ PERMIT_POLL_S = 0.5
 # A connection's calls to health Check and reflection hold at most 1/OPEN_SHARE of the
 # open services' places (Watches have places of their own: a client may open 16 at once).
 OPEN_SHARE = 2
-# The codes of calls refused for what their request held, whose bytes a caller's refused
-# budget counts (an admission's RESOURCE_EXHAUSTED or a pin's FAILED_PRECONDITION come
-# to honest callers of a busy or changing server).
-REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND})
 # A request to health or reflection names a service or a symbol: larger ones are refused
 # before they are parsed (8 callers without a token sending 57 MiB health checks made
 # honest calls 350x slower, three quarters of the GIL in protobuf's parsing:
@@ -477,14 +480,14 @@ class CallGuard(grpc.ServerInterceptor):
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this caller's requests refused in the last {self._refused.window_s:g} s "
-                f"(INVALID_ARGUMENT, NOT_FOUND) came to more than "
+                "for what they held came to more than "
                 f"{self._refused.budget >> 20} MiB: its calls are refused unread for "
                 f"{wait_s:.1f} s more; fix what those refusals named",
             )
 
     def _count(self, caller: str, read: list[int], context: grpc.ServicerContext) -> None:
         """A refused call's request bytes, against its caller's budget."""
-        if read[0] and context.code() in REFUSALS:
+        if read[0] and refused_for_content(context):
             self._refused.add(caller, read[0])
 
     def _open_share(self, context: grpc.ServicerContext) -> None:
@@ -530,7 +533,7 @@ class CallGuard(grpc.ServerInterceptor):
         by `_open_parser` ending it). A call cancelled as stalled or evicted ends
         CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
         which the handler would take for the client's end). Sized requests are handed on
-        bare, their bytes added to `read`."""
+        bare, the latest one's bytes kept in `read`."""
         while True:
             token = self._waits.start(context, method)
             if waiting is not None:
@@ -548,8 +551,8 @@ class CallGuard(grpc.ServerInterceptor):
                 return
             if isinstance(item, Sized):
                 item, nbytes = item
-                if read is not None:
-                    read[0] += nbytes
+                if read is not None:  # a stream's refusal is its latest request's
+                    read[0] = nbytes
             if waiting is not None and isinstance(item, RefusedRequest):
                 error = item.error
                 context.abort(grpc.StatusCode[error.code], f"{method}: {error}")

@@ -93,16 +93,24 @@ def _header_bound(registry: ModelRegistry) -> int:
 
 def max_request_bytes(config: Config, registry: ModelRegistry) -> int:
     """--max-request-bytes, auto resolved for the served models (`Config.request_bytes_bound`)."""
-    largest = max((_variables_bytes(registry.get(n)) for n in registry.names), default=0)
-    return config.request_bytes_bound(largest)
+    most = max((_unsplittable_bytes(registry.get(n)) for n in registry.names), default=0)
+    return config.request_bytes_bound(most)
 
 
-def _variables_bytes(served: ServedModel) -> int:
-    """The bytes of one value per variable element, float32 at least: a `dot` reference
-    of one row, or a step's gradient sum."""
-    return sum(
+def _unsplittable_bytes(served: ServedModel) -> int:
+    """What a request to the model holds that no client can split: one value per
+    variable element, float32 at least (a `dot` reference row, or a step's gradient
+    sum), and one example (a dimension of free size counted as 1)."""
+    engine = served.engine
+    variables = sum(
         int(np.prod(v.shape, dtype=np.int64)) * max(4, np.dtype(v.dtype).itemsize)
-        for v in served.engine.variables
+        for v in engine.variables
+    )
+    example = [(s.shape, s.dtype) for s in engine.input_specs]
+    example.append((engine.label_spec.shape, engine.label_spec.dtype))
+    return variables + sum(
+        int(np.prod([d or 1 for d in shape], dtype=np.int64)) * np.dtype(dtype).itemsize
+        for shape, dtype in example
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.errors import InvalidArgument, NotFound, PergradServerError, RequestTooLarge
 from pergrad.server.interceptors import ended_by_client
 from pergrad.server.metrics import ServerMetrics
 from pergrad.wire.casting import CastError
@@ -78,6 +78,18 @@ def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
     return _REQUEST_BYTES.get(context) or request.ByteSize()
 
 
+# Calls refused for what their request held, not for the server's state (a busy server's
+# RESOURCE_EXHAUSTED, a pin's FAILED_PRECONDITION): their bytes count against their
+# caller's budget (`guard`, `refused.RefusedBytes`).
+_REFUSED_FOR_CONTENT: weakref.WeakSet[grpc.ServicerContext] = weakref.WeakSet()
+_CONTENT_ERRORS = (InvalidArgument, NotFound, RequestTooLarge, CodecError, OptionError, CastError)
+
+
+def refused_for_content(context: grpc.ServicerContext) -> bool:
+    """Whether the call was refused for what its request held (`status`)."""
+    return context in _REFUSED_FOR_CONTENT
+
+
 # What refuses a request from its bytes, before it is parsed: the error, or None.
 Refusal = Callable[[bytes], PergradServerError | None]
 
@@ -115,6 +127,8 @@ def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics
     else:
         _LOGGER.exception("internal error")
         code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+    if isinstance(err, _CONTENT_ERRORS):
+        _REFUSED_FOR_CONTENT.add(context)
     metrics.request_rejected(code)
     context.abort(code, bounded(message))
 

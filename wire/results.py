@@ -207,17 +207,30 @@ def side_by_side(
 
 
 def _refilled(into: GradientResult, result: GradientResult) -> GradientResult:
-    """`into` holding `result`'s values, in its own arrays (ValueError if their shapes differ)."""
-    np.copyto(into.losses, result.losses)
+    """`into` holding `result`'s values, in its own arrays; ValueError, before anything is
+    copied, unless every array has its counterpart's shape and dtype."""
+    pairs = [(into.losses, result.losses, "losses")]
     for field, value in result.outputs.items():
         held = into.outputs.get(field)
-        if isinstance(value, Mapping) and isinstance(held, Mapping) and held.keys() == value.keys():
-            for name, array in value.items():
-                np.copyto(held[name], array)
-        elif isinstance(value, np.ndarray) and isinstance(held, np.ndarray):
-            np.copyto(held, value)
-        else:
-            into.outputs[field] = value
+        if isinstance(value, Mapping):
+            held = held if isinstance(held, Mapping) else {}
+            pairs += [(held.get(name), array, f"{field} {name!r}") for name, array in value.items()]
+        elif isinstance(value, np.ndarray):
+            pairs.append((held, value, field))
+    for held, value, what in pairs:
+        if not isinstance(held, np.ndarray) or (held.shape, held.dtype) != (
+            value.shape,
+            value.dtype,
+        ):
+            got = f"{held.dtype} {list(held.shape)}" if isinstance(held, np.ndarray) else "none"
+            raise ValueError(
+                f"out= holds {got} for {what}, this result {value.dtype} {list(value.shape)}"
+            )
+    for held, value, _ in pairs:
+        np.copyto(held, value)
+    for field, value in result.outputs.items():
+        if not isinstance(value, Mapping | np.ndarray):
+            into.outputs[field] = value  # a count
     for key in ("model_version", "weights_id", "model", "server", "plan_id"):
         into.__dict__[key] = result.__dict__[key]
     return into

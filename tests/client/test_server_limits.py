@@ -96,12 +96,32 @@ def test_a_split_batch_refills_out(limited) -> None:
     with _client(limited) as client:
         x, y = _over_the_limit(client, 150)
         out = client.per_example_gradients(MODEL, x, y, reduction="norms")
+        norms = out.norms
         again = client.per_example_gradients(
             MODEL, x[::-1].copy(), y[::-1].copy(), reduction="norms", out=out
         )
         expected = client.per_example_gradients(MODEL, x, y, reduction="norms").norms[::-1]
-    assert again is out
-    assert_close({"norms": out.norms}, {"norms": expected})
+    assert again is out and out.norms is norms
+    assert_close({"norms": norms}, {"norms": expected})
+
+
+def test_out_of_another_shape_is_refused_before_anything_is_copied(limited) -> None:
+    with _client(limited) as client:
+        x, y = _over_the_limit(client, 150)
+        out = client.per_example_gradients(MODEL, x[:149], y[:149], reduction="norms")
+        before = out.losses.copy()
+        with pytest.raises(ValueError, match="out= holds float32 \\[149\\] for losses"):
+            client.per_example_gradients(MODEL, x, y, reduction="norms", out=out)
+    assert np.array_equal(out.losses, before)
+
+
+def test_inputs_and_labels_of_different_lengths_are_refused_before_splitting(limited) -> None:
+    with _client(limited) as client:
+        x, y = _over_the_limit(client, 150)
+        with pytest.raises(PergradError) as err:
+            client.per_example_gradients(MODEL, x, y[:-1], reduction="norms")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one row per label" in err.value.message
 
 
 def test_a_stream_sends_a_batch_over_the_limit_in_parts_and_keeps_the_order(limited) -> None:
@@ -122,12 +142,13 @@ def test_a_step_on_a_batch_over_the_limit_applies_the_whole_batch() -> None:
         4 * int(np.prod(v.shape)) for v in BUILTIN_MODELS[MODEL]().trainable_variables
     )
     steps = {"learning_rate": 0.5, "reduction": "clipped_sum", "max_norm": 1.0}
-    x, y = batch_for((784,), 10, 150, seed=3)
+    x, y = batch_for((784,), 10, 200, seed=3)
+    assert len(y) * EXAMPLE_BYTES > REQUEST_OVERHEAD + model_bytes
     weights = []
     for limit in (REQUEST_OVERHEAD + model_bytes, None):
         with _serving(max_request_bytes=limit) as running, _client(running) as client:
             done = client.step(MODEL, x, y, **steps)
-            assert done.model_version == 2 and done.losses.shape == (150,)
+            assert done.model_version == 2 and done.losses.shape == (200,)
             weights.append(client.get_weights(MODEL)[1])
     assert_close(weights[0], weights[1])
 

@@ -10,6 +10,7 @@ import pytest
 from pergrad.server.config import (
     AUTO_COALESCED_BATCH,
     AUTO_REQUEST_BYTES,
+    MAX_REQUEST_BYTES,
     METRICS_PORT_OFFSET,
     Config,
     ConfigError,
@@ -103,6 +104,7 @@ def test_open_services_share_the_port_unless_given_their_own(
         (["--max-coalesced-batch", "many"], "--max-coalesced-batch .* must be a number"),
         (["--max-request-bytes", "0"], "--max-request-bytes must be positive"),
         (["--max-request-bytes", "4MiB"], "--max-request-bytes .* must be a number or auto"),
+        (["--max-request-bytes", str(2**31)], "--max-request-bytes must be at most 2147483647"),
         (["--optimizer", "sgd:momentum"], "--optimizer 'sgd:momentum': settings are key=value"),
         (["--optimizer", "adam:beta_1=high"], "'high' is not a number, true or false"),
         (["--optimizer", ":momentum=0.9"], "begins with an optimizer's name"),
@@ -161,6 +163,10 @@ def test_the_message_limit_is_auto_by_default_or_when_asked(
 
 def test_the_auto_message_limit_makes_room_for_the_largest_models_variables() -> None:
     assert Config().request_bytes_bound(407_080) == AUTO_REQUEST_BYTES + 407_080
+
+
+def test_the_auto_message_limit_stays_within_grpcs_bound() -> None:
+    assert Config().request_bytes_bound(3 << 30) == MAX_REQUEST_BYTES
 
 
 def test_a_message_limit_given_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from itertools import islice
 from pathlib import Path
@@ -1324,29 +1324,102 @@ def test_a_variables_filter_of_every_variable_twice_is_served(client: GradientCl
     assert result.norms.shape == (4,)
 
 
-def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread() -> None:
+def _at_the_limit(limit: int, **fields: Any) -> bytes:
+    """A gradients request of mnist_mlp as large as the server's message limit takes."""
+    x, y = batch_for((784,), 10, (limit - 4096) // (784 * 4 + 4))
+    request = pb.GradientsRequest(
+        model="mnist_mlp", inputs=encode_tensor(x), labels=encode_tensor(y)
+    )
+    for name, value in fields.items():
+        if isinstance(value, tensor_pb2.Tensor):
+            getattr(request, name).CopyFrom(value)
+        else:
+            setattr(request, name, value)
+    return request.SerializeToString()
+
+
+def _codes_until_barred(running: RunningServer, request: bytes) -> list[grpc.StatusCode]:
+    """The codes and messages of the calls a connection of its own sends with `request`,
+    until one is refused unread, for as many as would pass the budget and one more."""
+    codes = []
+    with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
+        unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
+        for _ in range(REFUSED_BYTES_BUDGET // len(request) + 2):
+            err = _raw_call_error(unary(request, timeout=30))
+            codes.append((err.code(), err.details()))
+            if "refused unread" in err.details():
+                break
+    return codes
+
+
+def _labels_short(limit: int) -> bytes:
+    return _at_the_limit(limit, labels=encode_tensor(np.zeros(3, np.int32)))
+
+
+def _over_max_batch(limit: int) -> bytes:
+    """Inputs declaring 5000 examples (over --max-batch), refused from their bytes."""
+    inputs = tensor_pb2.Tensor(dtype=1, shape=[5000, 784], content=bytes(limit - (64 << 10)))
+    return _at_the_limit(limit, inputs=inputs)
+
+
+@pytest.mark.parametrize(
+    ("refused", "code"),
+    [
+        (_labels_short, grpc.StatusCode.INVALID_ARGUMENT),
+        (_over_max_batch, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ],
+    ids=["labels short", "over max batch"],
+)
+def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
+    refused: Callable[[int], bytes], code: grpc.StatusCode
+) -> None:
     """A connection (no tokens) sending requests at the message limit that are refused
-    once read (a label short): once their bytes pass its budget, its next call is
+    for what they hold: once their bytes pass its budget, its next call is
     RESOURCE_EXHAUSTED before its request is read; another connection is served."""
     running = _start()
     try:
         with GradientClient(_target(running), options=OWN_CONNECTION) as honest:
             limit = honest.model_info("mnist_mlp").limits.max_request_bytes
-            x, y = batch_for((784,), 10, (limit - 4096) // (784 * 4 + 4))
-            request = pb.GradientsRequest(
-                model="mnist_mlp", inputs=encode_tensor(x), labels=encode_tensor(y[:-1])
-            ).SerializeToString()
-            codes = []
-            with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
-                unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
-                for _ in range(REFUSED_BYTES_BUDGET // len(request) + 2):
-                    err = _raw_call_error(unary(request, timeout=30))
-                    codes.append(err.code())
-                    if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                        break
-            assert codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED, codes
-            assert "refused unread" in err.details()
+            request = refused(limit)
+            assert limit - (128 << 10) < len(request) <= limit
+            codes = _codes_until_barred(running, request)
+            assert {c for c, _ in codes[:-1]} == {code}
+            assert codes[-1][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "refused unread" in codes[-1][1]
             assert len(codes) - 1 == REFUSED_BYTES_BUDGET // len(request) + 1
-            assert honest.per_example_gradients("mnist_mlp", x[:4], y[:4], reduction="norms")
+            x, y = batch_for((784,), 10, 4)
+            assert honest.per_example_gradients("mnist_mlp", x, y, reduction="norms")
+    finally:
+        running.stop(0)
+
+
+def test_requests_refused_for_the_servers_state_never_bar_their_caller() -> None:
+    """Pinned to a version that is not current (FAILED_PRECONDITION), as a trainer racing
+    an update is: as many bytes as would pass the budget, all answered as such."""
+    running = _start()
+    try:
+        with GradientClient(_target(running)) as client:
+            limit = client.model_info("mnist_mlp").limits.max_request_bytes
+        codes = _codes_until_barred(running, _at_the_limit(limit, model_version=99))
+        assert {c for c, _ in codes} == {grpc.StatusCode.FAILED_PRECONDITION}
+    finally:
+        running.stop(0)
+
+
+def test_a_streams_refused_request_is_charged_alone() -> None:
+    """A stream of requests at the limit, as many served as would pass the budget, then
+    one refused: the caller's next call is served (its served requests are not charged)."""
+    running = _start()
+    try:
+        with GradientClient(_target(running), options=OWN_CONNECTION) as client:
+            limit = client.model_info("mnist_mlp").limits.max_request_bytes
+            served = _at_the_limit(limit, reduction=pb.REDUCTION_NORMS)
+            requests = [served] * (REFUSED_BYTES_BUDGET // len(served) + 1) + [_labels_short(limit)]
+            with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
+                stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
+                err = _raw_call_error(stream(iter(requests), timeout=120))
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+                unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
+                assert list(unary(served, timeout=30))
     finally:
         running.stop(0)

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pergrad.client import GradientClient, PergradError, ServerLimits
+from pergrad.client import GradientClient, ModelInfo, PergradError, ServerLimits
 from pergrad.server.config import AUTO_COALESCED_BATCH, AUTO_REQUEST_BYTES, Config
 from pergrad.server.main import SERVICE_NAME, RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
@@ -71,17 +71,14 @@ def test_model_info_describes_variables_input_labels_and_loss(client: GradientCl
 def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) -> None:
     """What a client needs to size batches and to know replicas agree; the conftest
     server runs with --max-batch 512, --jit-compile off, passes shared (`loopback_config`)
-    and the other defaults: its message limit is gRPC's default plus its largest model's
-    float32 variables, room for a `dot` reference or a step's gradient sum."""
+    and the other defaults: its message limit is gRPC's default plus the most a served
+    model's request holds that no client can split (a `dot` reference row or a step's
+    gradient sum in float32, and one example)."""
     info = client.model_info("mnist_mlp")
     defaults = Config()
-    largest = max(
-        sum(4 * int(np.prod(v.shape)) for v in client.model_info(name).variables)
-        for name in client.list_models()
-    )
     assert info.limits == ServerLimits(
         max_batch=512,
-        max_request_bytes=AUTO_REQUEST_BYTES + largest,
+        max_request_bytes=AUTO_REQUEST_BYTES + max(map(_unsplittable, _infos(client))),
         max_inflight_examples=defaults.max_inflight_examples,
         max_inflight_bytes=defaults.max_inflight_bytes,
         max_coalesced_batch=AUTO_COALESCED_BATCH,
@@ -92,6 +89,20 @@ def test_model_info_reports_the_servers_limits_and_plan(client: GradientClient) 
     assert client.per_example_gradients("mnist_mlp", x, y, reduction="norms").plan_id == (
         info.plan_id
     )
+
+
+def _infos(client: GradientClient) -> list[ModelInfo]:
+    return [client.model_info(name) for name in client.list_models()]
+
+
+def _unsplittable(info: ModelInfo) -> int:
+    """A variable's row in float32, and one example (sizes of free size taken as 1)."""
+    variables = sum(4 * int(np.prod(v.shape)) for v in info.variables)
+    tensors = [*info.inputs, info.labels]
+    example = sum(
+        t.dtype.itemsize * int(np.prod([max(d, 1) for d in t.shape[1:]])) for t in tensors
+    )
+    return variables + example
 
 
 def test_replicas_that_share_passes_and_one_that_does_not_report_different_plans() -> None:
