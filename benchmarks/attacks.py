@@ -5,8 +5,9 @@ for small requests sharing passes (`--max-coalesced-batch 128`, the default wher
 is seen: row 9 attacks the shared passes), and three tokens: the honest client's,
 another writer's (the careless one of rows 10 and 13) and a reader's (`:ro`, every
 other attack that needs a token). For each attack, in the order of the issue's table,
-then the ways in found since (rows 15 to 17; row 0 is no attack: a flood of calls that
-are answered, the reference for the floods of refused ones): the honest probes with the server idle,
+then the ways in found since (rows 15 to 17; row 18 is a heavy caller, not a hostile
+one; row 0 is no attack: a flood of calls that are answered, the reference for the
+floods of refused ones): the honest probes with the server idle,
 then again while the attack runs in a process of its own (its Python shares nothing
 with the honest client's), then the attack is killed and the server left a moment to
 let go of it. Every round times each probe once:
@@ -243,14 +244,27 @@ def _once_admitted(ask: Callable[[GradientClient], Any], target: str) -> Any:
                 time.sleep(0.5)
 
 
-def requests_at_the_message_limit(target: str, metrics_url: str, stop: threading.Event) -> None:
-    """8 callers each sending the largest gradients request the server takes (its
-    ModelInfo.limits) that it then refuses: a label short, found once the request is read."""
+def _at_the_limit(target: str, labels_short: bool) -> bytes:
+    """A norms request of mnist_mlp as large as the server takes (its ModelInfo.limits),
+    a label short (refused once read) or whole."""
     info = _once_admitted(lambda c: c.model_info("mnist_mlp"), target)
-    limit = info.limits.max_request_bytes
-    size = (limit - 4096) // (784 * 4 + 8)
-    x, y = _batch(size)
-    request = _gradients("mnist_mlp", x, y[:-1], reduction=pb.REDUCTION_NORMS)
+    x, y = _batch((info.limits.max_request_bytes - 4096) // (784 * 4 + 8))
+    return _gradients("mnist_mlp", x, y[:-1] if labels_short else y, reduction=pb.REDUCTION_NORMS)
+
+
+def requests_at_the_message_limit(target: str, metrics_url: str, stop: threading.Event) -> None:
+    """8 callers each sending the largest gradients request the server takes, refused
+    once read."""
+    request = _at_the_limit(target, labels_short=True)
+    _in_loops(8, _unary(target, SERVICE + "ComputePerExampleGradients", request, READER), stop)
+
+
+def answered_requests_at_the_message_limit(
+    target: str, metrics_url: str, stop: threading.Event
+) -> None:
+    """8 callers each sending the largest gradients request the server takes, answered:
+    a heavy caller, not a hostile one (what its share of the workers leaves the others)."""
+    request = _at_the_limit(target, labels_short=False)
     _in_loops(8, _unary(target, SERVICE + "ComputePerExampleGradients", request, READER), stop)
 
 
@@ -389,6 +403,10 @@ ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
     17: (
         "8 callers sending requests at the message limit, refused once read",
         requests_at_the_message_limit,
+    ),
+    18: (
+        "8 callers sending requests at the message limit, answered",
+        answered_requests_at_the_message_limit,
     ),
 }
 
