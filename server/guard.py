@@ -305,8 +305,10 @@ class CallGuard(grpc.ServerInterceptor):
         admission: Admission | None = None,
         refused: RefusedBytes | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
+        on_refused_unread: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
+        self._on_refused_unread = on_refused_unread
         self._admission = admission
         self._refused = refused or RefusedBytes()
         self._calls = _Places(max_calls)
@@ -437,7 +439,7 @@ class CallGuard(grpc.ServerInterceptor):
                 self._open_share(context)
                 return served(iterator, context, None)
             caller = self._caller(context)
-            self._within_refused_budget(caller, context)
+            self._within_refused_budget(caller, method, context)
             read = [0]
             try:
                 return served(iterator, context, read, lambda: self._count(caller, read, context))
@@ -472,11 +474,14 @@ class CallGuard(grpc.ServerInterceptor):
 
         return handle
 
-    def _within_refused_budget(self, caller: str, context: grpc.ServicerContext) -> None:
+    def _within_refused_budget(
+        self, caller: str, method: str, context: grpc.ServicerContext
+    ) -> None:
         """Refuse the call before its request is read while its caller's refused bytes
-        are over their budget (`refused.RefusedBytes`)."""
+        are over their budget (`refused.RefusedBytes`), counting it."""
         wait_s = self._refused.wait_s(caller)
         if wait_s > 0:
+            self._on_refused_unread(method)
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this caller's requests refused in the last {self._refused.window_s:g} s "

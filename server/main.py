@@ -156,6 +156,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         per_caller_calls=None if config.auth_token_file is None else per_token_calls(config),
         admission=admission,
         on_stall=metrics.call_stalled,
+        on_refused_unread=metrics.call_refused_unread,
     )
     coalescers = Coalescers(
         window_ms=config.batch_window_ms,

@@ -215,6 +215,13 @@ class ServerMetrics:
             ("method",),
             registry=r,
         )
+        self._refused_unread = Counter(
+            "pergrad_calls_refused_unread_total",
+            "Calls refused before their request was read: their caller's requests refused "
+            "for what they held came to more than its budget of bytes in the last seconds.",
+            ("method",),
+            registry=r,
+        )
 
     def _define_weights_metrics(self) -> None:
         r = self.registry
@@ -300,6 +307,9 @@ class ServerMetrics:
 
     def call_stalled(self, method: str) -> None:
         self._stalled.labels(method).inc()
+
+    def call_refused_unread(self, method: str) -> None:
+        self._refused_unread.labels(method).inc()
 
     def request_rejected(self, code: grpc.StatusCode) -> None:
         self._rejected.labels(code.name).inc()

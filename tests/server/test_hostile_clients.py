@@ -1389,6 +1389,9 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
             assert len(codes) - 1 == REFUSED_BYTES_BUDGET // len(request) + 1
             x, y = batch_for((784,), 10, 4)
             assert honest.per_example_gradients("mnist_mlp", x, y, reduction="norms")
+        exposition = scrape(running.metrics_port)
+        method = SERVICE + "ComputePerExampleGradients"
+        assert sample_value(exposition, "pergrad_calls_refused_unread_total", method=method) == 1
     finally:
         running.stop(0)
 
