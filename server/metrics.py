@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pergrad.wire.catalogue import NONE
+from pergrad.wire.rpc import SERVICE, method_path
 
 # Unary calls take milliseconds to minutes (a large batch of a large model).
 LATENCY_BUCKETS_S = (
@@ -222,6 +223,9 @@ class ServerMetrics:
             ("method",),
             registry=r,
         )
+        for name in SERVICE.methods_by_name:  # at 0 from the start, so rates read from it
+            self._refused_unread.labels(method_path(name))
+            self._stalled.labels(method_path(name))
 
     def _define_weights_metrics(self) -> None:
         r = self.registry

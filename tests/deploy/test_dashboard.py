@@ -86,6 +86,8 @@ def test_panels_have_unique_ids_and_do_not_overlap(dashboard) -> None:
         ("bytes/s", "pergrad_response_bytes_total", "rate("),
         ("queue time", "pergrad_request_queue_seconds_bucket", "histogram_quantile("),
         ("in flight", "pergrad_requests_in_flight", "pergrad_requests_in_flight"),
+        ("calls refused unread", "pergrad_calls_refused_unread_total", "by (method)"),
+        ("stalled calls", "pergrad_stalled_calls_total", "by (method)"),
         ("weights version per pod", "pergrad_weights_version", "by (pod, model)"),
         ("memory", "process_resident_memory_bytes", "by (pod)"),
     ],

@@ -310,7 +310,8 @@ def test_an_idle_gradients_stream_is_cancelled_and_the_next_refused_meanwhile(gu
             next(idle)
         assert stalled.value.code() == grpc.StatusCode.CANCELLED
     exposition = scrape(guarded.metrics_port)
-    assert sample_value(exposition, "pergrad_stalled_calls_total") >= 1
+    method = SERVICE + "StreamPerExampleGradients"
+    assert sample_value(exposition, "pergrad_stalled_calls_total", method=method) >= 1
 
 
 def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers() -> None:
