@@ -92,12 +92,16 @@ def micro_batched(
         pool.submit(compute, call.part(i), rows(x, part), y[part])
         for i, part in enumerate(part_slices(len(y), size))
     ]
-    parts = [f.result() for f in futures]
-    check_versions(parts)
-    result = merge(parts, into=out)
+    result = merged([f.result() for f in futures], into=out)
     if result.batch_size != len(y):
         raise data_loss(f"micro-batches hold {result.batch_size} examples of {len(y)}")
     return result
+
+
+def merged(parts: list[GradientResult], *, into: GradientResult | None = None) -> GradientResult:
+    """One batch's result from its parts' (`merge`), refused if their weights differ."""
+    check_versions(parts)
+    return merge(parts, into=into)
 
 
 def part_slices(count: int, size: int) -> list[slice]:

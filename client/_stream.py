@@ -13,11 +13,11 @@ import numpy as np
 
 from pergrad.client._call import Call, batch_of, request_examples, rows_of
 from pergrad.client._receive import read_results
-from pergrad.client._spread import check_versions, part_slices
+from pergrad.client._spread import merged, part_slices
 from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import rows
-from pergrad.wire.results import GradientResult, merge
+from pergrad.wire.results import GradientResult
 
 
 def pipelined(
@@ -80,7 +80,7 @@ def pipelined(
                 continue
             parts_of_batches.popleft()
             window.release()
-            yield _whole(parts)
+            yield parts[0] if len(parts) == 1 else merged(parts)
             parts = []
     except grpc.RpcError as err:
         raise from_rpc_error(err) from None
@@ -89,10 +89,3 @@ def pipelined(
         responses.cancel()
     if failures:
         raise failures[0]
-
-
-def _whole(parts: list[GradientResult]) -> GradientResult:
-    if len(parts) == 1:
-        return parts[0]
-    check_versions(parts)
-    return merge(parts)

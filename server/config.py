@@ -23,8 +23,8 @@ METRICS_PORT_OFFSET = 100
 # (kernel launches) worth sharing; on a CPU a shared pass costs more than a request's own
 # (`coalescing_bound`).
 AUTO_COALESCED_BATCH = 128
-# --max-request-bytes auto: gRPC's own default message limit, plus the largest served
-# model's variables (`request_bytes_bound`).
+# --max-request-bytes auto: gRPC's own default message limit, plus what a served model's
+# request holds that no client can split (`request_bytes_bound`).
 AUTO_REQUEST_BYTES = 4 << 20
 # gRPC takes a message limit as a C int.
 MAX_REQUEST_BYTES = 2**31 - 1

@@ -165,18 +165,7 @@ def merge(parts: Sequence[GradientResult], *, into: GradientResult | None = None
             outputs[field] = {k: _combine(output, [v[k] for v in values]) for k in value}
         else:
             outputs[field] = _combine(output, values)
-    servers = ",".join(dict.fromkeys(p.server for p in parts))
-    merged = GradientResult(
-        np.concatenate([p.losses for p in parts]),
-        model_version=first.model_version,
-        weights_id=first.weights_id,
-        model=first.model,
-        server=servers,
-        plan_id=",".join(dict.fromkeys(p.plan_id for p in parts)),
-        catalogue=first._catalogue,
-        **outputs,
-    )
-    return merged if into is None else _refilled(into, merged)
+    return _assembled(parts, np.concatenate([p.losses for p in parts]), outputs, into)
 
 
 def side_by_side(
@@ -193,8 +182,20 @@ def side_by_side(
             outputs[field] = np.concatenate(
                 [p.outputs[field] for p in parts], axis=shape.index("K")
             )
-    joined = GradientResult(
-        first.losses,
+    return _assembled(parts, first.losses, outputs, into)
+
+
+def _assembled(
+    parts: Sequence[GradientResult],
+    losses: np.ndarray,
+    outputs: dict[str, Any],
+    into: GradientResult | None,
+) -> GradientResult:
+    """A result of these losses and outputs, made from `parts` (the first's weights and
+    model, every part's server and plan, each named once), copied into `into` if given."""
+    first = parts[0]
+    result = GradientResult(
+        losses,
         model_version=first.model_version,
         weights_id=first.weights_id,
         model=first.model,
@@ -203,7 +204,7 @@ def side_by_side(
         catalogue=first._catalogue,
         **outputs,
     )
-    return joined if into is None else _refilled(into, joined)
+    return result if into is None else _refilled(into, result)
 
 
 def _refilled(into: GradientResult, result: GradientResult) -> GradientResult:

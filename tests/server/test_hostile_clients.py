@@ -1339,7 +1339,9 @@ def _at_the_limit(limit: int, **fields: Any) -> bytes:
     return request.SerializeToString()
 
 
-def _codes_until_barred(running: RunningServer, request: bytes) -> list[grpc.StatusCode]:
+def _codes_until_barred(
+    running: RunningServer, request: bytes
+) -> list[tuple[grpc.StatusCode, str]]:
     """The codes and messages of the calls a connection of its own sends with `request`,
     until one is refused unread, for as many as would pass the budget and one more."""
     codes = []
