@@ -64,4 +64,4 @@ def _blocks(
             turn += 1
             for v, out in zip(selected, outs, strict=True):
                 materialize(rows(part.grads[v.index], slice(lo, hi)), out)
-            yield SliceResult(part.start + lo, part.start + hi, part.losses[lo:hi], outs)
+            yield SliceResult(part.start + lo, part.start + hi, part.losses[lo:hi].copy(), outs)

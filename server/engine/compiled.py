@@ -33,7 +33,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 from tensorflow.python.framework.ops import EagerTensor
 
-from pergrad.server.engine.grads import Grad, rows, to_numpy
+from pergrad.server.engine.grads import Grad, host, rows, to_numpy
 from pergrad.server.engine.in_pass import InPass
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import Plan
@@ -74,9 +74,7 @@ def values_reader(variables: Sequence[Any]) -> Callable[[], list[tf.Tensor]]:
     """The variables' values now, as immutable tensors read in one graph: read one by one
     from Python (or handed to a compiled pass as variables, each then copied through
     numpy), each cost ~0.1-0.2 ms here (`benchmarks/zoo.py`: mlp's six weights 0.8 ms of
-    a call; cnn_batch_norm's four batch-norm statistics 0.76 of its 2.3 ms)."""
-    if not variables:
-        return list
+    a call)."""
     read = FlatCall(tf.function(lambda: [tf.identity(v.value) for v in variables]))
     return lambda: list(read())
 
@@ -111,7 +109,6 @@ class CompiledPass:
             vectorize=jit or pfor,
             in_pass=in_pass,
         )
-        self._non_trainable = values_reader(model.non_trainable_variables)
         self._vectorized = bool(plan.fallback)
         self._auto = jit_compile == "auto"
         self.slice_cap = 1
@@ -151,9 +148,9 @@ class CompiledPass:
         count = y.shape[0]
         xs, y = self._padded(xs, y)
         function = self._function(y.shape[0])
-        losses, grads = function(list(weights), self._non_trainable(), list(xs), y)
+        losses, grads = function(list(weights), list(xs), y)
         kept = slice(0, count)
-        return losses.numpy()[kept], {p: rows(to_numpy(g), kept) for p, g in grads.items()}
+        return host(losses)[kept], {p: rows(to_numpy(g), kept) for p, g in grads.items()}
 
     def reduced(
         self,
@@ -169,13 +166,11 @@ class CompiledPass:
         function = self._function(y.shape[0], in_pass)
         real = np.zeros(y.shape[0], np.float32)
         real[:count] = 1
-        losses, outputs = function(
-            list(weights), self._non_trainable(), list(xs), y, real, np.float32(max_norm)
-        )
-        result = {"squares": outputs["squares"].numpy()[:, :count]}
+        losses, outputs = function(list(weights), list(xs), y, real, np.float32(max_norm))
+        result = {"squares": host(outputs["squares"])[:, :count]}
         if "sums" in outputs:
-            result["sums"] = [t.numpy() for t in outputs["sums"]]
-        return losses.numpy()[:count], result
+            result["sums"] = [host(t) for t in outputs["sums"]]
+        return host(losses)[:count], result
 
     def choose(self, weights: Sequence[tf.Tensor], xs: Inputs, y: np.ndarray) -> None:
         """With jit_compile="auto": XLA where it compiles and is clearly faster (or, for

@@ -39,7 +39,11 @@ def _on_a_core() -> bool:
 def on_cores(count: int, fill: Callable[[slice], None], *, serial: bool, align: int = 1) -> None:
     """`fill` each part of [0, count), on every core at once unless `serial` (small work,
     where handing it to threads costs more than it saves)."""
-    pieces = parts(count, 1 if serial or _on_a_core() else CORES, align)
+    if serial:  # most outputs: no parts to cut
+        if count:
+            fill(slice(0, count))
+        return
+    pieces = parts(count, 1 if _on_a_core() else CORES, align)
     if len(pieces) == 1:
         fill(pieces[0])
         return

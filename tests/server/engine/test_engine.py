@@ -15,6 +15,7 @@ from pergrad.server.engine.compiled import XLA_MARGIN
 from pergrad.server.engine.rules import LayerRegistry
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.wire.catalogue import CATALOGUE
 from tests import oracle
 from tests.helpers import assert_close, batch_for, tabular_model
 from tests.zoo import FAMILIES
@@ -238,3 +239,33 @@ def test_cancelled_work_stops_at_the_next_slice() -> None:
 
     with pytest.raises(Cancelled, match="stopped after 2 of 5"):
         engine.per_example_gradients(x, y, reduction="norms", cancelled=cancelled)
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    if isinstance(value, dict):
+        return [a for v in value.values() for a in _arrays(v)]
+    return [value] if isinstance(value, np.ndarray) else []
+
+
+@pytest.mark.parametrize("reduction", CATALOGUE.names)
+def test_every_array_a_result_holds_is_the_callers_to_write(reduction: str) -> None:
+    """The pass's outputs are read as views of TensorFlow's buffers, which must not be
+    written: whatever a caller receives is its own array, writeable."""
+    engine, _ = _engine("mnist_mlp")
+    x, y = _batch(engine, 3)
+    references = {v.name: np.ones((2, *v.shape), np.float32) for v in engine.variables}
+    options = {
+        "clipped_sum": {"max_norm": 0.1, "noise_multiplier": 1.0, "seed": 3},
+        "dot": {"reference": references},
+        "project": {"dim": 4, "seed": 1},
+    }.get(reduction, {})
+    result = engine.per_example_gradients(x, y, reduction=reduction, **options)
+    arrays = [result.losses, *_arrays(result.outputs)]
+    assert len(arrays) > 1
+    assert all(a.flags.writeable for a in arrays)
+
+
+def test_blocks_hold_writeable_losses() -> None:
+    engine, _ = _engine("mnist_mlp")
+    (block,) = engine.iter_slices(*_batch(engine, 3))
+    assert block.losses.flags.writeable
