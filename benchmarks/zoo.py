@@ -10,10 +10,10 @@ For each family, in a fresh process, interleaved (medians, ms per batch of B exa
   pergrad         Engine.per_example_gradients as `pergrad serve` builds it (XLA chosen
                   per model, numpy's BLAS on one thread), full tensors; it casts and
                   checks the batch on each call, which the reference is spared
+  pergrad_norms   the same engine's per-example norms (what DP clipping needs)
 Both are given the same weights, read once, as a server's call is given its snapshot's
 (in-process without `trainable=`, the engine reads the model's own on each call: one
-compiled call, 0.2-0.6 ms here).
-  pergrad_norms   the same engine's per-example norms (what DP clipping needs)
+compiled call, 0.24-0.72 ms here).
 Families too large for full per-example gradients (`full=False`: MobileNetV3Small and
 ResNet50) compare norms only: vectorized_map's norms are taken from its full tensors, in
 the same graph. A vectorized_map that fails to build (pfor cannot take the gradient of

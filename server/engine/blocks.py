@@ -41,7 +41,9 @@ def full_gradient_blocks(
     """Full per-example gradients in blocks of about `block_bytes` of examples.
 
     Blocks take turns over `buffer_sets` sets of arrays: a block's arrays are
-    overwritten `buffer_sets` blocks later, so consume them before then.
+    overwritten `buffer_sets` blocks later, so consume them before then. Blocks are made
+    as they are asked for, some from the batch's own arrays: leave them unchanged until
+    the last block.
     """
     selected = engine.select(variables)
     bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected)

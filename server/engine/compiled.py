@@ -85,8 +85,8 @@ def bucket(count: int, cap: int) -> int:
 
 
 class CompiledPass:
-    """(weights, xs, y) -> (losses [n], {variable path: numpy Grad}) for one slice; xs
-    holds one array per model input."""
+    """(weights, xs, y) -> (losses [n], {variable path: numpy Grad}) for one slice, read-only
+    views of the pass's outputs (`grads.host`); xs holds one array per model input."""
 
     def __init__(
         self,

@@ -67,7 +67,8 @@ class VariableSpec:
 
 class Slice(NamedTuple):
     """One pass over examples [start, stop): losses [n] and each variable's numpy
-    per-example gradient (dense or factored, see `grads`), in model order."""
+    per-example gradient (dense or factored, see `grads`), in model order; read-only
+    views of the pass's buffers (`grads.host`), to be copied before writing."""
 
     start: int
     stop: int
@@ -268,7 +269,8 @@ class Engine:
     def run_pass(
         self, weights: tuple[tf.Tensor, ...], xs: tuple[np.ndarray, ...], y: np.ndarray, count: int
     ) -> tuple[np.ndarray, list[Grad]]:
-        """One compiled pass: losses and every variable's numpy per-example gradient."""
+        """One compiled pass: losses and every variable's numpy per-example gradient, as
+        read-only views (see `Slice`)."""
         try:
             losses, grads = self._pass(weights, xs, y)
         except tf.errors.InvalidArgumentError as err:

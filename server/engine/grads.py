@@ -75,8 +75,9 @@ def _fill_scatter(ids: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
 
 
 def host(tensor: tf.Tensor) -> np.ndarray:
-    """The tensor's values as a read-only numpy view of its buffer on the CPU (TensorFlow's
-    documented zero-copy route): `.numpy()` copies, 5.1 ms for 28 MB here. A dtype no
+    """The tensor's values as a read-only numpy view of the memory it holds on the CPU
+    (TensorFlow's documented zero-copy route; a tensor that passes an input through may
+    hold the caller's own array): `.numpy()` copies, 5.1 ms for 28 MB here. A dtype no
     buffer can describe (bfloat16) is copied."""
     try:
         return np.asarray(memoryview(tensor))

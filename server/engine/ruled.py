@@ -56,8 +56,8 @@ def per_example_function(
 ) -> Callable[..., tuple[tf.Tensor, Any]]:
     """(trainable, xs, y) -> (losses [B], {variable path: Grad}); xs holds one tensor per
     model input. The non-trainable values (batch-norm statistics) are the model's own,
-    read inside the function: read apart, they cost a call of their own per pass (0.29 ms
-    of cnn_batch_norm's 2.7 here, `benchmarks/zoo.py`).
+    read once inside the function as it starts: read apart, they cost a call of their own
+    per pass (0.29 ms of cnn_batch_norm's 2.7 here, `benchmarks/zoo.py`).
 
     A fixed input signature makes each call cheaper than shape-keyed retracing (about
     1.5 ms less here). With `batch_size` the batch dimension is static in it, so the
@@ -74,7 +74,9 @@ def per_example_function(
     ]
 
     def per_example(trainable, xs, y):
-        non_trainable = [v.value for v in model.non_trainable_variables]
+        # Read once for the whole pass: each forward would otherwise read the variables
+        # itself (the fallback's once per example), and could see a write between reads.
+        non_trainable = [tf.identity(v.value) for v in model.non_trainable_variables]
         grads: dict[str, Grad] = {}
         losses = None
         if plan.ruled:

@@ -45,8 +45,9 @@ def forward_loss(
 ) -> tf.Tensor:
     """Per-example losses [B] of the model in inference mode with the given weights.
 
-    The weights are arguments, not the model's variables: a request computes against
-    the immutable snapshot it was given, whatever SetWeights does meanwhile.
+    The trainable weights are arguments, not the model's variables: a request computes
+    against the immutable snapshot it was given, whatever SetWeights does meanwhile. The
+    non-trainable values are the model's own, read once as the pass starts.
     """
     inputs = model_inputs(model, xs)
     outputs, _ = model.stateless_call(list(trainable), list(non_trainable), inputs, training=False)

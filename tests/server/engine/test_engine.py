@@ -12,10 +12,12 @@ import pytest
 
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import XLA_MARGIN
+from pergrad.server.engine.group import Job, shared_rows
 from pergrad.server.engine.rules import LayerRegistry
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.results import GradientResult
 from tests import oracle
 from tests.helpers import assert_close, batch_for, tabular_model
 from tests.zoo import FAMILIES
@@ -247,22 +249,36 @@ def _arrays(value: Any) -> list[np.ndarray]:
     return [value] if isinstance(value, np.ndarray) else []
 
 
-@pytest.mark.parametrize("reduction", CATALOGUE.names)
-def test_every_array_a_result_holds_is_the_callers_to_write(reduction: str) -> None:
-    """The pass's outputs are read as views of TensorFlow's buffers, which must not be
-    written: whatever a caller receives is its own array, writeable."""
-    engine, _ = _engine("mnist_mlp")
-    x, y = _batch(engine, 3)
+def _every_reduction(engine: Engine) -> dict[str, dict[str, Any]]:
+    """Each reduction of the catalogue with the options it needs."""
     references = {v.name: np.ones((2, *v.shape), np.float32) for v in engine.variables}
-    options = {
+    needs = {
         "clipped_sum": {"max_norm": 0.1, "noise_multiplier": 1.0, "seed": 3},
         "dot": {"reference": references},
         "project": {"dim": 4, "seed": 1},
-    }.get(reduction, {})
-    result = engine.per_example_gradients(x, y, reduction=reduction, **options)
+    }
+    return {name: needs.get(name, {}) for name in CATALOGUE.names}
+
+
+def _writeable(result: GradientResult) -> bool:
     arrays = [result.losses, *_arrays(result.outputs)]
-    assert len(arrays) > 1
-    assert all(a.flags.writeable for a in arrays)
+    return len(arrays) > 1 and all(a.flags.writeable for a in arrays)
+
+
+@pytest.mark.parametrize("name", ["mnist_mlp", "mnist_cnn"])
+def test_every_array_a_result_holds_is_the_callers_to_write(name: str) -> None:
+    """The pass's outputs are read as views of TensorFlow's buffers, which must not be
+    written: whatever a caller receives, from its own pass or a shared one, is its own
+    array, writeable (mnist_cnn adds factors over many positions: its convolutions')."""
+    engine, _ = _engine(name)
+    x, y = _batch(engine, 3)
+    batch = engine.batch(x, y)
+    for reduction, options in _every_reduction(engine).items():
+        alone = engine.compute(batch, reduction=reduction, **options)
+        sink = engine.sink(batch.size, reduction=reduction, **options)
+        (rows,) = shared_rows(engine, [Job(batch, sink)], granule=4)
+        assert _writeable(alone), reduction
+        assert _writeable(rows.into(sink)), reduction
 
 
 def test_blocks_hold_writeable_losses() -> None:
