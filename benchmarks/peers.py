@@ -205,14 +205,18 @@ def flat(arrays: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([arrays[k].astype(np.float64).reshape(-1) for k in sorted(arrays)])
 
 
-def checks(tools: list[str], workloads: list[str], tmp: Path) -> tuple[list[list[str]], bool]:
-    """Each tool's norms (and clipped sum) against pergrad's, per workload; rows for a
-    table and whether all agree."""
+def checks(
+    tools: list[str], workloads: list[str], quantities: list[str], tmp: Path
+) -> tuple[list[list[str]], bool]:
+    """Each tool's norms (and clipped sum) of the quantities measured against pergrad's,
+    per workload; rows for a table and whether all agree."""
     rows, ok = [], True
     for workload in workloads:
         data = np.load(tmp / f"{workload}.npz")
-        reference = tmp / f"pergrad-{workload}-norms.npz"
-        if not reference.exists():
+        # pergrad's norms, or those its other quantities saved where norms did not run
+        saved = [tmp / f"pergrad-{workload}-{q}.npz" for q in ("norms", *quantities)]
+        reference = next((path for path in saved if path.exists()), None)
+        if reference is None:
             rows.append([workload, "pergrad", "no pergrad norms to compare", "", "", "FAIL"])
             ok = False
             continue
@@ -220,7 +224,7 @@ def checks(tools: list[str], workloads: list[str], tmp: Path) -> tuple[list[list
         ref_sum_path = tmp / f"pergrad-{workload}-clipped_sum.npz"
         ref_sum = clipped_sum(np.load(ref_sum_path)) if ref_sum_path.exists() else None
         for tool in tools:
-            for quantity in QUANTITIES:
+            for quantity in quantities:
                 path = tmp / f"{tool}-{workload}-{quantity}.npz"
                 if not applies(tool, quantity):
                     continue
@@ -372,7 +376,7 @@ def main() -> None:
             if "error" in made:
                 raise SystemExit(f"export of {workload} failed: {made['error']}")
         medians, errors, notes = measure(args, tmp)
-        check_rows, agree = checks(args.tools, args.workloads, tmp)
+        check_rows, agree = checks(args.tools, args.workloads, args.quantities, tmp)
     rows, round_rows, verdicts = summary(args, medians, errors)
 
     print(
