@@ -52,16 +52,13 @@ class FullGradients:
     ) -> None:
         self.size, self._selected, self._wire = size, selected, wire_dtype
         self.result = out if out is not None else _allocate(size, selected, loss_dtype, model)
-        # Held once: each read of an output through the result looks it up in the
-        # catalogue (0.15 ms a pass for transformer_encoder's 20 variables).
-        self._arrays = self.result.gradients
-        _check_out(self._arrays, size, selected)
+        _check_out(self.result, size, selected)
 
     def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
         stop = start + len(losses)
         self.result.losses[start:stop] = losses
         for v in self._selected:
-            materialize(grads[v.index], self._arrays[v.name][start:stop])
+            materialize(grads[v.index], self.result.gradients[v.name][start:stop])
 
     def finish(self) -> GradientResult:
         if self._wire:  # in-process there is no wire: the gradients' dtype
@@ -124,9 +121,9 @@ def _allocate(
     )
 
 
-def _check_out(arrays: dict[str, np.ndarray], batch: int, selected: Sequence[Variable]) -> None:
+def _check_out(result: GradientResult, batch: int, selected: Sequence[Variable]) -> None:
     for v in selected:
-        array = arrays.get(v.name)
+        array = result.gradients.get(v.name)
         if (
             array is None
             or array.shape != (batch, *v.shape)

@@ -8,6 +8,7 @@ import pytest
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import CATALOGUE, OptionError
+from pergrad.wire.terms import Output, Reduction
 from tests.conftest import ROOT
 
 PROTO = (ROOT / "protos/pergrad/v1/gradient_service.proto").read_text()
@@ -93,3 +94,12 @@ def test_options_checked_once_pass_the_catalogue_as_they_are() -> None:
     checked = CATALOGUE.check_options(entry, {"max_norm": 2})
     assert CATALOGUE.check_options(entry, checked) is checked
     assert CATALOGUE.check_options(CATALOGUE.get("norms"), {}) is not checked
+
+
+def test_an_extended_reductions_outputs_are_known_while_it_is_in() -> None:
+    scores = Output("scores", False, "example", ("B",), "a score per example")
+    extra = Reduction("extra", 98, "a reduction for one block", outputs=(scores,))
+    with CATALOGUE.extended(extra):
+        assert CATALOGUE.output("scores") == scores
+    with pytest.raises(KeyError):
+        CATALOGUE.output("scores")
