@@ -210,7 +210,8 @@ def _example_bytes(info: ModelInfo, x: Any, y: np.ndarray) -> int:
 
 
 def rows_of(y: np.ndarray) -> int:
-    """The examples labels hold (0 for a scalar: the server names what is wrong)."""
+    """The examples an array of inputs or labels holds (0 for a scalar: the server names
+    what is wrong)."""
     return int(y.shape[0]) if y.ndim else 0
 
 
@@ -227,7 +228,7 @@ def batch_of(info: ModelInfo, x: Any, y: np.ndarray) -> dict[str, np.ndarray]:
         arrays = {i.name: np.asarray(v) for i, v in zip(info.inputs, values, strict=True)}
     except (CastError, ValueError) as err:
         raise invalid(f"inputs: {err}") from None
-    rows = {name: int(a.shape[0]) if a.ndim else 0 for name, a in arrays.items()}
+    rows = {name: rows_of(a) for name, a in arrays.items()}
     if y.ndim == 0 or any(n != len(y) for n in rows.values()):
         raise invalid(
             f"inputs hold {rows} examples and labels {rows_of(y)}: one row per label needed"

@@ -56,6 +56,7 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -303,14 +304,13 @@ class CallGuard(grpc.ServerInterceptor):
         per_caller_streams: int | None = None,
         per_caller_calls: int | None = None,
         admission: Admission | None = None,
-        refused: RefusedBytes | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
         on_refused_unread: Callable[[str], None] = lambda method: None,
     ) -> None:
         self._waits = _Waits(stall_timeout_s, on_stall)
         self._on_refused_unread = on_refused_unread
         self._admission = admission
-        self._refused = refused or RefusedBytes()
+        self._refused = RefusedBytes()
         self._calls = _Places(max_calls)
         self._permits = threading.Semaphore(workers)
         self._shares = _Shares(max(1, workers // 2))
@@ -375,8 +375,7 @@ class CallGuard(grpc.ServerInterceptor):
         if open_service:
             parse = _open_parser(parse)
         if handler.request_streaming:
-            each = parse if open_service else sized(parse)
-            return replaced(handler, guarded, request_deserializer=each)
+            return replaced(handler, guarded, request_deserializer=sized(parse))
         return as_request_stream(handler, guarded, sized(parse))
 
     def _token_places(
@@ -437,24 +436,26 @@ class CallGuard(grpc.ServerInterceptor):
                 place.hold_until_done(context)
             if open_service:
                 self._open_share(context)
-                return served(iterator, context, None)
+                return served(iterator, context, None, None)
             caller = self._caller(context)
             self._within_refused_budget(caller, method, context)
             read = [0]
+            count = functools.partial(self._count, caller, read, context)
             try:
-                return served(iterator, context, read, lambda: self._count(caller, read, context))
+                return served(iterator, context, caller, read, count)
             except BaseException:
-                self._count(caller, read, context)
+                count()
                 raise
 
         def served(
             iterator: Iterator[Any],
             context: grpc.ServicerContext,
+            caller: str | None,
             read: list[int] | None,
             on_error: Callable[[], None] = lambda: None,
         ) -> Any:
-            """The call served, its requests' bytes added up in `read` (calls to the
-            service: `handle`)."""
+            """The call served, its latest request's bytes kept in `read` (calls to the
+            service, of `caller`: `handle`)."""
             if handler.request_streaming:
                 if not open_service:
                     _compute_permit(self._permits, context)
@@ -464,8 +465,8 @@ class CallGuard(grpc.ServerInterceptor):
                 request, nbytes = self._request(iterator, context, method, waiting, read)
                 if not open_service:
                     note_request_bytes(context, nbytes)
-                    self._hold(request, nbytes, context)
-                    self._shares.take(self._caller(context), context)
+                    self._hold(request, nbytes, caller, context)
+                    self._shares.take(caller, context)
                     _compute_permit(self._permits, context)
                 result = behavior(request, context)
             if handler.response_streaming:
@@ -513,13 +514,13 @@ class CallGuard(grpc.ServerInterceptor):
     def _caller(self, context: grpc.ServicerContext) -> str:
         return caller_of(context, self._per_caller_streams is not None)
 
-    def _hold(self, request: Any, nbytes: int, context: grpc.ServicerContext) -> None:
+    def _hold(self, request: Any, nbytes: int, caller: str, context: grpc.ServicerContext) -> None:
         """Price the request's `nbytes` from its arrival to the call's end
         (`Admission.hold`): calls queued for a worker hold their requests too."""
         if self._admission is None or not isinstance(request, Message):
             return  # a malformed request kept none of its bytes; its handler refuses it
         try:
-            release = self._admission.hold(nbytes, self._caller(context))
+            release = self._admission.hold(nbytes, caller)
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         if not context.add_callback(release):
@@ -590,7 +591,7 @@ class CallGuard(grpc.ServerInterceptor):
         read: list[int] | None = None,
     ) -> Sized:
         """The one request of a call to a method that takes one (then the client's end),
-        with its size on the wire (added to `read` too)."""
+        with its size on the wire (kept in `read` too)."""
         read = [0] if read is None else read
         requests = self._requests(iterator, context, method, waiting, read)
         try:

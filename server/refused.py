@@ -53,6 +53,8 @@ class RefusedBytes:
     def wait_s(self, caller: str) -> float:
         """Seconds until the caller's refused bytes in the window are within the budget
         again (0: they are)."""
+        if caller not in self._callers:  # most callers: no lock taken on their calls
+            return 0.0
         now = self._clock()
         with self._lock:
             buckets = self._callers.get(caller)

@@ -1429,3 +1429,28 @@ def test_a_streams_refused_request_is_charged_alone() -> None:
                 assert list(unary(served, timeout=30))
     finally:
         running.stop(0)
+
+
+def test_each_stream_is_charged_its_refused_request() -> None:
+    """Streams of a served request then a refused one: each is charged the refused
+    request's bytes alone, so the caller is barred after as many streams as the budget
+    holds of those and one more (never charged: never barred; charged the whole stream:
+    barred after half as many)."""
+    running = _start()
+    try:
+        with GradientClient(_target(running), options=OWN_CONNECTION) as client:
+            limit = client.model_info("mnist_mlp").limits.max_request_bytes
+        served = _at_the_limit(limit, reduction=pb.REDUCTION_NORMS)
+        refused = _labels_short(limit)
+        details = []
+        with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
+            stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
+            for _ in range(REFUSED_BYTES_BUDGET // len(refused) + 2):
+                err = _raw_call_error(stream(iter([served, refused]), timeout=60))
+                details.append(err.details())
+                if "refused unread" in err.details():
+                    break
+        assert "refused unread" in details[-1]
+        assert len(details) - 1 == REFUSED_BYTES_BUDGET // len(refused) + 1
+    finally:
+        running.stop(0)

@@ -53,10 +53,13 @@ def test_many_refusals_in_one_second_keep_one_bucket(clock: Clock) -> None:
 
 
 def test_callers_past_the_bound_forget_those_idle_first(clock: Clock) -> None:
+    """The idle caller is the newer one: dropping the oldest would drop the active one."""
     refused = RefusedBytes(100, 10.0, max_callers=2, clock=clock)
-    refused.add("old", 500)
-    clock.now += 20
     refused.add("active", 500)
+    refused.add("idle", 500)
+    clock.now += 5
+    refused.add("active", 500)
+    clock.now += 8
     refused.add("new", 500)
     assert set(refused._callers) == {"active", "new"}
     assert refused.wait_s("active") > 0
