@@ -87,10 +87,13 @@ def _weights(model: keras.Model, weights: Mapping[str, Any] | None) -> Iterator[
 
 
 def _gradients(tape: tf.GradientTape, value: tf.Tensor, model: keras.Model) -> dict[str, Any]:
+    """A variable the loss never reaches (BERT's pooler under a head on the sequence) has
+    zero gradients; TensorFlow's own UnconnectedGradients.ZERO fails on Keras variables."""
     variables = model.trainable_variables
-    gradients = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    gradients = tape.gradient(value, variables)
     return {
-        v.path: tf.convert_to_tensor(g).numpy() for v, g in zip(variables, gradients, strict=True)
+        v.path: np.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g).numpy()
+        for v, g in zip(variables, gradients, strict=True)
     }
 
 

@@ -89,7 +89,7 @@ def test_the_engine_section_names_every_layer_with_a_rule() -> None:
     while re.search(r"\([^()]*\)", cell):
         cell = re.sub(r"\([^()]*\)", "", cell)
     listed = [item.split()[-1] for item in cell.split(",")]
-    names = sorted(layer.__name__ for layer in default_registry()._rules)
+    names = default_registry().names()
     assert sorted(listed) == names, f"README lists {sorted(listed)}; rules exist for {names}"
 
 
@@ -100,7 +100,7 @@ def test_the_generic_row_quotes_every_reason_the_plan_gives() -> None:
     class it says has no rule has none."""
     registry = default_registry()
     sources = [
-        LayerRegistry.lookup,
+        LayerRegistry._probed,
         *{id(r.applies): r.applies for r in registry._rules.values()}.values(),
     ]
     reasons = {ast.unparse(m): _pattern(m) for source in sources for m in _messages(source)}
@@ -109,10 +109,10 @@ def test_the_generic_row_quotes_every_reason_the_plan_gives() -> None:
     assert not unknown, f"README's generic row quotes reasons the plan never gives: {unknown}"
     missing = [code for code, p in reasons.items() if not any(p.fullmatch(q) for q in quoted)]
     assert not missing, f"README's generic row does not quote the reasons {missing}"
-    (no_rule,) = _messages(LayerRegistry.lookup)
+    (no_rule,) = _messages(LayerRegistry._probed)
     prefix = _literal_parts(no_rule)[0]
     named = [q.removeprefix(prefix) for q in quoted if q.startswith(prefix)]
-    ruled = sorted({layer.__name__ for layer in registry._rules} & set(named))
+    ruled = sorted(set(registry.names()) & set(named))
     assert named and not ruled, f"README says these have no rule: {ruled}"
 
 

@@ -16,6 +16,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tests import zoo_keras_hub as hub
+
 L = keras.layers
 ops = keras.ops
 
@@ -496,4 +498,22 @@ FAMILIES: dict[str, Family] = {
     "conv1d_sequence": Family(conv1d_sequence, _class_batch((12, 3), 3), ruled=True),
     "sequence_tagger": Family(sequence_tagger, _tagger_batch(4, padded=False), ruled=True),
     "masked_tagger": Family(masked_tagger, _tagger_batch(3, padded=True), ruled=True),
+}
+
+# keras-hub backbones (tests/zoo_keras_hub.py): every layer they are made of takes a rule,
+# LoRA factors included; the causal LMs use their token table in reverse too (GPT-2's
+# tied: one variable, two uses; Llama's untied).
+FAMILIES |= {
+    **{
+        f"{name}_classifier": Family(hub.classifier(name, seed), hub.batch, ruled=True)
+        for seed, name in enumerate(hub.BACKBONES, start=300)
+    },
+    **{
+        f"{name}_lora": Family(hub.classifier(name, seed, lora=True), hub.batch, ruled=True)
+        for seed, name in ((310, "gpt2"), (311, "gemma"), (312, "llama"))
+    },
+    "gpt2_causal_lm": Family(hub.causal_lm("gpt2", 320), hub.lm_batch, ruled=True),
+    "llama_causal_lm": Family(
+        hub.causal_lm("llama", 321), hub.lm_batch, ruled=True, jit_compile=True
+    ),
 }

@@ -31,7 +31,7 @@ import tensorflow as tf
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
 from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
 from pergrad.server.engine.compiled import CompiledPass, JitCompile, values_reader
-from pergrad.server.engine.grads import Grad, Outer, Scatter
+from pergrad.server.engine.grads import Factored, Grad
 from pergrad.server.engine.ids import ComputedIds
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.plan import make_plan
@@ -114,6 +114,20 @@ def _variable_specs(model: keras.Model) -> tuple[VariableSpec, ...]:
     return specs
 
 
+def _slice_bound(per_example: dict[str, int], slice_bytes: int) -> str:
+    """Why a slice holds as many examples as it does: the per-example bytes against the
+    bound, and the variable whose per-example tensors are the largest."""
+    total = sum(per_example.values())
+    if not per_example:
+        return f"{slice_bytes >> 20} MiB bound"
+    largest = max(per_example, key=per_example.__getitem__)
+    return (
+        f"{total / 2**20:.2f} MiB of per-example tensors an example against "
+        f"{slice_bytes / 2**20:g} MiB; the most from {largest}: "
+        f"{per_example[largest] / 2**20:.2f} MiB"
+    )
+
+
 def fingerprint(plan: str) -> str:
     """A short fingerprint of a plan's text (ModelInfo.plan_id)."""
     return hashlib.blake2b(plan.encode(), digest_size=6).hexdigest()
@@ -166,9 +180,12 @@ class Engine:
         y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
         self.loss(y, model(model_inputs(model, xs), training=False))  # refuses a scalar loss
         weights = self.initial_weights()
-        self.slice_size = max(1, slice_bytes // max(1, self._tensorflow_bytes(weights, xs, y)))
-        if self.plan.fallback:
-            self.slice_size = min(self.slice_size, FALLBACK_MAX_SLICE)
+        per_example = self._tensorflow_bytes(weights, xs, y)
+        self.slice_size = max(1, slice_bytes // max(1, sum(per_example.values())))
+        self._slice_bound = _slice_bound(per_example, slice_bytes)
+        if self.plan.fallback and self.slice_size > FALLBACK_MAX_SLICE:
+            self.slice_size = FALLBACK_MAX_SLICE
+            self._slice_bound = "the vectorized route's bound"
         self._pass.slice_cap = self.slice_size
         self._pass.choose(weights, *self._pass.probe_batch(xs, y))
         _LOGGER.info("model %s: %s (plan %s)", model.name, self.summary, self.plan_id)
@@ -182,7 +199,10 @@ class Engine:
     def plan_text(self) -> str:
         """What decides this engine's bits: XLA or not, the slice size, each layer's route."""
         xla = "on" if self._pass.xla else "off"
-        return f"XLA {xla}; slices of {self.slice_size} examples; {self.plan.describe()}"
+        return (
+            f"XLA {xla}; slices of {self.slice_size} examples ({self._slice_bound}); "
+            f"{self.plan.describe()}"
+        )
 
     @functools.cached_property
     def plan_id(self) -> str:
@@ -210,24 +230,19 @@ class Engine:
 
     def _tensorflow_bytes(
         self, weights: Sequence[tf.Tensor], xs: tuple[np.ndarray, ...], y: np.ndarray
-    ) -> int:
-        """Bytes per example of the per-example tensors TensorFlow forms (for factored
-        gradients, their factors).
+    ) -> dict[str, int]:
+        """Each variable's bytes per example of the per-example tensors TensorFlow forms
+        (for factored gradients, their factors).
 
         Runs the pass once on two zero examples, which also keeps tracing out of the
         first request's latency, and records in `factored` which variables' gradients
-        come factored ("outer" or "scatter").
+        come factored ("outer", "scatter" or "tied").
         """
         _, grads = self._pass(weights, xs, y)
         self.factored = {
-            name: type(g).__name__.lower()
-            for name, g in grads.items()
-            if isinstance(g, Outer | Scatter)
+            name: type(g).__name__.lower() for name, g in grads.items() if isinstance(g, Factored)
         }
-        factors = [
-            t for g in grads.values() for t in (g if isinstance(g, Outer | Scatter) else [g])
-        ]
-        return sum(t[0].nbytes for t in factors)
+        return {name: sum(t[0].nbytes for t in tf.nest.flatten(g)) for name, g in grads.items()}
 
     def initial_weights(self) -> tuple[tf.Tensor, ...]:
         """The model's own trainable values now, as immutable tensors (`values_reader`:

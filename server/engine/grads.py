@@ -6,6 +6,9 @@ A rule may return a per-example gradient as a dense tensor [B, *shape], or facto
   once, straight into the caller's buffer.
 - `Scatter(ids, g)`: grad_b[v] = sum_{t: ids[b, t] = v} g[b, t]  (ids: [B, T], g: [B, T, D]):
   embedding tables.
+- `Tied(lookup, projection)`: lookup + projection, a `Scatter` and an `Outer` of the same
+  [V, D] variable: a tied embedding, used as a table and as the output projection h E^T
+  of a language model.
 Factors keep the B x P tensor out of TensorFlow's allocator, and (for reductions) let
 norms be computed without forming it at all.
 """
@@ -32,7 +35,13 @@ class Scatter(NamedTuple):
     g: tf.Tensor
 
 
-Grad = tf.Tensor | Outer | Scatter
+class Tied(NamedTuple):
+    lookup: Scatter
+    projection: Outer
+
+
+Grad = tf.Tensor | Outer | Scatter | Tied
+Factored = (Outer, Scatter, Tied)
 
 
 def as_sequence(t: tf.Tensor) -> tf.Tensor:
@@ -53,6 +62,10 @@ def combine(grads: Sequence[Grad]) -> Grad:
         return Outer(tf.concat([g.a for g in grads], 1), tf.concat([g.g for g in grads], 1))
     if all(isinstance(g, Scatter) for g in grads):
         return Scatter(tf.concat([g.ids for g in grads], 1), tf.concat([g.g for g in grads], 1))
+    lookups = [g for g in grads if isinstance(g, Scatter)]
+    projections = [g for g in grads if isinstance(g, Outer)]
+    if lookups and projections and len(lookups) + len(projections) == len(grads):
+        return Tied(combine(lookups), combine(projections))
     return tf.add_n(list(grads))
 
 
@@ -68,10 +81,22 @@ def _fill_outer(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
         np.matmul(a.transpose(0, 2, 1), g, out=flat)
 
 
-def _fill_scatter(ids: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
-    out.fill(0)
+def _add_scatter(ids: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
     rows = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)
     np.add.at(out, (rows.ravel(), ids.ravel()), g.reshape(-1, g.shape[-1]))
+
+
+def _fill(grad: Grad, out: np.ndarray) -> None:
+    if isinstance(grad, Outer):
+        _fill_outer(grad.a, grad.g, out)
+    elif isinstance(grad, Scatter):
+        out.fill(0)
+        _add_scatter(grad.ids, grad.g, out)
+    elif isinstance(grad, Tied):
+        _fill(grad.projection, out)
+        _add_scatter(grad.lookup.ids, grad.lookup.g, out)
+    else:
+        np.copyto(out, grad)
 
 
 def host(tensor: tf.Tensor) -> np.ndarray:
@@ -87,27 +112,27 @@ def host(tensor: tf.Tensor) -> np.ndarray:
 
 def to_numpy(grad: Grad) -> Grad:
     """The same gradient with numpy arrays (`host`) in place of tensors."""
-    if isinstance(grad, Outer | Scatter):
-        return type(grad)(*(host(t) for t in grad))
+    if isinstance(grad, Factored):
+        return type(grad)(*(to_numpy(t) for t in grad))
     return host(grad)
 
 
 def rows(grad: Grad, part: slice) -> Grad:
     """The examples `part` of a numpy gradient."""
-    if isinstance(grad, Outer | Scatter):
-        return type(grad)(*(t[part] for t in grad))
+    if isinstance(grad, Factored):
+        return type(grad)(*(rows(t, part) for t in grad))
     return grad[part]
+
+
+def examples(grad: Grad) -> int:
+    """How many examples a per-example gradient holds."""
+    return examples(grad[0]) if isinstance(grad, Factored) else grad.shape[0]
 
 
 def materialize(grad: Grad, out: np.ndarray) -> None:
     """Write a numpy gradient (see `to_numpy`) into `out` [B, *shape], on every core."""
 
-    def fill(rows: slice) -> None:
-        if isinstance(grad, Outer):
-            _fill_outer(grad.a[rows], grad.g[rows], out[rows])
-        elif isinstance(grad, Scatter):
-            _fill_scatter(grad.ids[rows], grad.g[rows], out[rows])
-        else:
-            np.copyto(out[rows], grad[rows])
+    def fill(part: slice) -> None:
+        _fill(rows(grad, part), out[part])
 
     on_cores(out.shape[0], fill, serial=out.nbytes < 1 << 20)

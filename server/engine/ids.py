@@ -68,6 +68,8 @@ def _probes(model: keras.Model) -> list[_Probe]:
         if not isinstance(layer, keras.layers.Embedding):
             continue
         for node in layer._inbound_nodes:
+            if node.arguments.kwargs.get("reverse"):
+                continue  # a ReversibleEmbedding used as an output projection: no ids
             ids = node.input_tensors[0]
             if any(ids is tensor for tensor in model.inputs):
                 continue  # an input: make_batch checks it

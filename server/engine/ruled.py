@@ -39,7 +39,10 @@ def _ruled_pass(
         rule = rules[id(call.layer)]
         for path, grad in rule.per_example(call.layer, call.inputs, output_grad).items():
             per_variable[path].append(grad)
-    return losses, {path: combine(grads) for path, grads in per_variable.items()}
+    # A rule may give a frozen variable's gradient too (a LoRA layer's base kernel): only
+    # the trainable ones leave the pass.
+    trainable = {v.path for v in model.trainable_variables}
+    return losses, {p: combine(grads) for p, grads in per_variable.items() if p in trainable}
 
 
 def per_example_function(

@@ -94,7 +94,10 @@ def vectorized_gradients(
             tape.watch(sources)
             one = [xi[None] for xi in xsi]
             loss_i = forward_loss(model, loss, trainable, non_trainable, one, yi[None])
-        return loss_i[0], tape.gradient(loss_i, sources)
+        # A variable the loss never reaches (a causal LM's output table under a classifier
+        # head) has zero gradients, as on the rule route.
+        zero = tf.UnconnectedGradients.ZERO
+        return loss_i[0], tape.gradient(loss_i, sources, unconnected_gradients=zero)
 
     if vectorize:
         return tf.vectorized_map(one_example, (tuple(xs), y))

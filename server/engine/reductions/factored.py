@@ -6,6 +6,8 @@ where the algebra allows:
 - Outer with one step: ||a (x) g||^2 = ||a||^2 ||g||^2 (Goodfellow 2015); with T steps,
   <A A^T, G G^T> when T (I + J) < I J (Li et al. 2021, ghost clipping).
 - Scatter: ||dE||^2 = sum over step pairs with the same id of g_t . g_s.
+- Tied (a table used as a lookup and as an output projection): both parts' norms and twice
+  their inner product (`in_pass.py` states it).
 - sums weighted per example: (w a)^T g, one matrix product.
 Where no shortcut exists, examples are formed a block at a time (`BLOCK_BYTES`).
 """
@@ -16,24 +18,24 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from pergrad.server.engine.grads import Grad, Outer, Scatter, materialize, rows
+from pergrad.server.engine.grads import (
+    Factored,
+    Grad,
+    Outer,
+    Scatter,
+    Tied,
+    examples,
+    materialize,
+    rows,
+)
 
 BLOCK_BYTES = 16 << 20
-
-
-def examples(grad: Grad) -> int:
-    """How many examples a per-example gradient holds."""
-    return (
-        grad.a.shape[0]
-        if isinstance(grad, Outer)
-        else (grad.ids.shape[0] if isinstance(grad, Scatter) else grad.shape[0])
-    )
 
 
 def blocks(grad: Grad, shape: tuple[int, ...], dtype: np.dtype) -> Iterator[np.ndarray]:
     """The per-example gradients as [m, P] arrays, a block of examples at a time."""
     count = examples(grad)
-    if not isinstance(grad, Outer | Scatter):
+    if not isinstance(grad, Factored):
         yield grad.reshape(count, -1)
         return
     step = max(1, BLOCK_BYTES // (int(np.prod(shape)) * dtype.itemsize))
@@ -52,6 +54,12 @@ def _ghost(grad: Outer) -> bool:
 
 def squared_norms(grad: Grad, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """||grad_b||^2 for each example b, in float64."""
+    if isinstance(grad, Tied):
+        parts = (
+            squared_norms(grad.lookup, shape, dtype),
+            squared_norms(grad.projection, shape, dtype),
+        )
+        return parts[0] + parts[1] + 2 * _tied_cross(grad.lookup, grad.projection)
     if isinstance(grad, Outer) and grad.a.shape[1] == 1:
         a, g = grad.a[:, 0].astype(np.float64), grad.g[:, 0].astype(np.float64)
         return np.square(a).sum(1) * np.square(g).sum(1)
@@ -67,9 +75,20 @@ def squared_norms(grad: Grad, shape: tuple[int, ...], dtype: np.dtype) -> np.nda
     )
 
 
+def _tied_cross(lookup: Scatter, projection: Outer) -> np.ndarray:
+    """<lookup_b, projection_b> for each example b, in float64."""
+    g, h = lookup.g.astype(np.float64), projection.g.astype(np.float64)
+    at_ids = np.take_along_axis(projection.a, lookup.ids[:, None, :], axis=2)  # [B, S, T]
+    return np.einsum("bts,bst->b", g @ h.transpose(0, 2, 1), at_ids.astype(np.float64))
+
+
 def weighted_sum(grad: Grad, weights: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """sum_b weights_b * grad_b, shaped like the variable."""
     weights = weights.astype(np.float32)
+    if isinstance(grad, Tied):
+        return weighted_sum(grad.lookup, weights, shape) + weighted_sum(
+            grad.projection, weights, shape
+        )
     if isinstance(grad, Outer):  # tensordot: one contiguous GEMM, 4-6x a.T @ g here
         scaled = grad.a * weights[:, None, None]
         return np.tensordot(scaled, grad.g, axes=([0, 1], [0, 1])).reshape(shape)

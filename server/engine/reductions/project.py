@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pergrad.server.engine.cores import on_cores
-from pergrad.server.engine.grads import Grad, Outer, Scatter
+from pergrad.server.engine.grads import Grad, Outer, Scatter, Tied
 from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import blocks, examples
 from pergrad.server.engine.reductions.random_streams import matrix_rows
@@ -123,6 +123,8 @@ class Project:
         return out
 
     def _project(self, variable: Selected, grad: Grad) -> np.ndarray:
+        if isinstance(grad, Tied):  # linear: the sum of its parts' projections
+            return sum(self._project(variable, part) for part in grad)
         out = np.zeros((examples(grad), self._dim), np.float32)
         if len(variable.shape) != 2:
             flat = np.concatenate(list(blocks(grad, variable.shape, variable.dtype)))

@@ -1,4 +1,4 @@
-"""Dense: z = a W + b over the last axis.
+"""Dense: z = a W + b over the last axis (W = W0 + s A B under LoRA: `lora.py`).
 
 Per example: dW_b = sum_t a_bt (x) g_bt (kept factored, `Outer`), db_b = sum_t g_bt, where t
 runs over any axes between the batch and the features (one step for flat inputs).
@@ -11,11 +11,10 @@ import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, Outer, as_sequence
 from pergrad.server.engine.rules import Rule
+from pergrad.server.engine.rules.lora import kernel_and_factors
 
 
 def _applies(layer: keras.layers.Dense) -> str | None:
-    if getattr(layer, "lora_enabled", False):
-        return "LoRA-enabled Dense"
     if getattr(layer, "quantization_mode", None):
         return "quantized Dense"
     return None
@@ -25,7 +24,7 @@ def per_example(
     layer: keras.layers.Dense, inputs: tf.Tensor, output_grad: tf.Tensor
 ) -> dict[str, Grad]:
     a, g = as_sequence(inputs), as_sequence(output_grad)
-    grads: dict[str, Grad] = {layer.kernel.path: Outer(a, g)}
+    grads = kernel_and_factors(layer, Outer(a, g))
     if layer.use_bias:
         grads[layer.bias.path] = tf.reduce_sum(g, axis=1)
     return grads

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pergrad.server.engine.grads import Outer, Scatter
+from pergrad.server.engine.grads import Outer, Scatter, Tied
 from pergrad.server.engine.in_pass import InPass, reduce, squared_norms, weighted_sum
 
 B = 6
@@ -21,6 +21,8 @@ def _outer(steps: int, inputs: int, outputs: int) -> Outer:
 
 def _formed(grad) -> np.ndarray:
     """[B, *shape] per-example gradients in float64."""
+    if isinstance(grad, Tied):
+        return _formed(grad.lookup) + _formed(grad.projection)
     if isinstance(grad, Outer):
         a, g = (np.asarray(t, np.float64) for t in grad)
         return np.einsum("bti,btj->bij", a, g)
@@ -42,6 +44,14 @@ CASES = {
         tf.constant(rng.standard_normal((B, 9, 4)), tf.float32),
     ),
     "dense": lambda: tf.constant(rng.standard_normal((B, 3, 2)), tf.float32),
+    # a table [11, 4] looked up at 9 steps and used as the output projection at 5
+    "tied": lambda: Tied(
+        Scatter(
+            tf.constant(rng.integers(0, 11, (B, 9)), tf.int32),
+            tf.constant(rng.standard_normal((B, 9, 4)), tf.float32),
+        ),
+        _outer(5, 11, 4),
+    ),
 }
 
 

@@ -153,7 +153,103 @@ CASES: dict[str, Callable[[], keras.Model]] = {
         lambda h: L.Concatenate()(L.LSTM(3, return_state=True, **_recurrent(29))(h))
     ),
     "position_embedding": lambda: _model((5, 3), lambda x: PositionEmbedding(_init(9))(x)),
+    "rms_normalization": lambda: _model(
+        (4, 6), lambda x: _scaled(L.RMSNormalization(epsilon=1e-3))(L.Dense(6)(x))
+    ),
+    "layer_norm_rms_scaling": lambda: _model(
+        (4, 6), lambda x: _scaled(L.LayerNormalization(rms_scaling=True))(L.Dense(6)(x))
+    ),
+    "rms_norm_found_by_probe": lambda: _model(
+        (4, 6), lambda x: _scaled(GemmaStyleNorm(name="gemma_norm"))(L.Dense(6)(x))
+    ),
+    "dense_lora": lambda: _model(
+        (4, 6), lambda x: _lora(L.Dense(5, "tanh", kernel_initializer=_init(1)))(x)
+    ),
+    "einsum_dense_lora": lambda: _model(
+        (4, 6),
+        lambda x: _lora(
+            L.EinsumDense("abc,cde->abde", (4, 3, 2), bias_axes="de", kernel_initializer=_init(2))
+        )(x),
+    ),
+    # The kernel [n, d, h] interleaves the input's axis with the output's (Gemma's query):
+    # its per-example gradient is formed, and LoRA's from it.
+    "einsum_dense_interleaved_lora": lambda: _model(
+        (4, 6),
+        lambda x: _lora(L.EinsumDense("btd,ndh->btnh", (4, 3, 2), kernel_initializer=_init(2)))(x),
+    ),
+    "reversible_embedding_untied": lambda: _model(
+        (7,),
+        _projected(
+            L.ReversibleEmbedding(20, 4, tie_weights=False, embeddings_initializer=_init(6))
+        ),
+        dtype="int32",
+    ),
+    "reversible_embedding_tied_soft_cap": lambda: _model(
+        (7,),
+        _projected(
+            L.ReversibleEmbedding(20, 4, logit_soft_cap=2.0, embeddings_initializer=_init(6))
+        ),
+        dtype="int32",
+    ),
 }
+
+
+class GemmaStyleNorm(L.Layer):
+    """x / sqrt(mean(x^2) + eps) * (1 + scale), as keras-hub's Gemma computes it: a class
+    no rule names, found by the RMS-norm rule's probe."""
+
+    def __init__(self, epsilon: float = 1e-6, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.epsilon = epsilon
+
+    def build(self, input_shape) -> None:
+        self.scale = self.add_weight(shape=input_shape[-1:], initializer="zeros", name="scale")
+
+    def call(self, x):
+        mean_square = keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True)
+        return x * keras.ops.rsqrt(mean_square + self.epsilon) * (1 + self.scale)
+
+
+class CenteredNorm(GemmaStyleNorm):
+    """One vector and an epsilon, but centred first: no RMS normalization."""
+
+    def call(self, x):
+        return super().call(x - keras.ops.mean(x, axis=-1, keepdims=True))
+
+
+def _scaled(layer: L.Layer) -> Callable:
+    """The layer's call, its one vector (a scale) set at random once built."""
+
+    def call(x):
+        out = layer(x)
+        variable = layer.trainable_variables[0]
+        variable.assign(np.random.default_rng(31).normal(0.5, 0.4, variable.shape))
+        return out
+
+    return call
+
+
+def _lora(layer: L.Layer) -> Callable:
+    """The layer's call, with LoRA of rank 2 and both factors random (B starts at zero,
+    where A's gradient vanishes)."""
+
+    def call(x):
+        layer(x)  # builds it
+        layer.enable_lora(2, lora_alpha=3)
+        rng = np.random.default_rng(32)
+        for factor in (layer.lora_kernel_a, layer.lora_kernel_b):
+            factor.assign(rng.normal(0.0, 0.5, factor.shape))
+        return layer(x)
+
+    return call
+
+
+def _projected(embedding: L.ReversibleEmbedding) -> Callable:
+    """Token ids looked up, a Dense, then the same table in reverse: logits over the
+    vocabulary at every step (a causal LM's shape), flattened into the head."""
+    return lambda ids: embedding(
+        L.Dense(4, "tanh", kernel_initializer=_init(1))(embedding(ids)), reverse=True
+    )
 
 
 def _recurrent(seed: int) -> dict:
@@ -248,6 +344,18 @@ def test_model_mixing_ruled_and_unruled_layers() -> None:
     _check_random_batch(engine)
 
 
+def test_a_vector_layer_that_is_no_rms_norm_takes_the_generic_route() -> None:
+    """The RMS-norm rule's probe takes a layer by what it computes, not by its shape."""
+    inputs = keras.Input((4, 6))
+    h = _scaled(CenteredNorm(name="centered"))(L.Dense(6, kernel_initializer=_init(1))(inputs))
+    engine = Engine(keras.Model(inputs, _head(h)), loss=LOSS, jit_compile=False)
+    assert [engine.model.trainable_variables[i].path for i in engine.plan.fallback] == [
+        "centered/scale"
+    ]
+    assert "centered (no rule for CenteredNorm (it holds one vector" in engine.plan.describe()
+    _check_random_batch(engine)
+
+
 def test_conv1d_text_model() -> None:
     tokens = keras.Input((16,), dtype="int32")
     h = L.Embedding(20, 8, embeddings_initializer=_init(6))(tokens)
@@ -284,7 +392,16 @@ def test_capturing_leaves_the_model_unchanged() -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["conv2d_dilated_grouped", "separable_conv2d_strided", "embedding", "layer_norm", "dense"],
+    [
+        "conv2d_dilated_grouped",
+        "separable_conv2d_strided",
+        "embedding",
+        "layer_norm",
+        "dense",
+        "reversible_embedding_tied_soft_cap",
+        "einsum_dense_lora",
+        "rms_norm_found_by_probe",
+    ],
 )
 def test_xla_compiled_rule_matches_keras_oracle(case: str) -> None:
     engine = Engine(CASES[case](), loss=LOSS, jit_compile=True)

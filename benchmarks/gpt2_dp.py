@@ -1,0 +1,245 @@
+"""`make bench` (gpt2_dp): DP fine-tuning of a GPT-2-shaped classifier at the size users
+run it, against the plain training step on the same batch.
+
+The model: keras-hub's GPT2Backbone (2 layers, hidden 256, 4 heads, FFN 1024, a
+vocabulary of 50,257, T=128; 14.5M parameters, random init, nothing downloaded) with a
+2-class head on the first token, served from a `.keras` file by `pergrad serve
+--optimizer adam`, once with `--jit-compile auto` (the default) and once `off` (as the
+images and manifests ship). In turns, medians of the rounds:
+
+  plain      the local plain Keras step on the same batch: tape gradient of the mean loss
+             and Adam's update in one tf.function, without XLA and with it
+  norms      `per_example_gradients(reduction="norms")` through the server
+  clipped    `clipped_sum` with fresh noise from the server's secure source
+  DP step    `client.step`: the server clips, sums, noises and applies Adam
+
+LoRA (rank 4 on the attention's query and value, the head trainable: keras-hub's
+`enable_lora`): the in-process Engine's clipped sum (seeded) against the plain LoRA step.
+
+Memory: the server's peak RSS over its RSS once loaded, against what the plain step adds
+to a process's peak (each in a process of its own).
+
+    python benchmarks/gpt2_dp.py [--batches 16 32] [--rounds 5] [--jit auto off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import peak_rss_bytes, reset_peak_rss, run_child
+
+from pergrad.client import GradientClient
+from pergrad.client.local import LocalServer
+
+VOCABULARY = 50_257
+STEPS = 128
+CLASSES = 2
+LORA_RANK = 4
+MODEL = "gpt2_classifier"
+DP = {"max_norm": 1.0, "noise_multiplier": 1.0}  # no seed: fresh noise
+
+
+def build(*, lora: bool = False):
+    """The classifier and its loss, seeded."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCABULARY,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=256,
+        intermediate_dim=1024,
+        max_sequence_length=STEPS,
+    )
+    if lora:
+        backbone.enable_lora(LORA_RANK)
+    inputs = {i.name: keras.Input((STEPS,), dtype=i.dtype, name=i.name) for i in backbone.inputs}
+    logits = keras.layers.Dense(CLASSES, name="head")(backbone(inputs)[:, 0])
+    model = keras.Model(inputs, logits, name=MODEL)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(loss=loss)
+    return model, loss
+
+
+def batch(size: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(size)
+    x = {
+        "token_ids": rng.integers(0, VOCABULARY, (size, STEPS)).astype(np.int32),
+        "padding_mask": np.ones((size, STEPS), np.int32),
+    }
+    return x, rng.integers(0, CLASSES, size).astype(np.int32)
+
+
+def plain_step(model, loss, x, y, *, jit: bool) -> Callable[[], None]:
+    """The local plain training step: mean loss, tape gradient, Adam, one tf.function."""
+    import keras
+    import tensorflow as tf
+
+    optimizer = keras.optimizers.Adam(1e-4)
+    variables = model.trainable_variables
+    optimizer.build(variables)
+
+    @tf.function(jit_compile=jit)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=False))
+        optimizer.apply(tape.gradient(value, variables), variables)
+
+    tx = {k: tf.constant(v) for k, v in x.items()}
+    ty = tf.constant(y)
+    return lambda: step(tx, ty)
+
+
+def _medians(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    for fn in methods.values():  # tracing, allocation
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            began = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _rss(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} for process {pid}")
+
+
+def served(model_dir: Path, jit: str, sizes: list[int], rounds: int) -> dict:
+    """Each size's medians through a server of `--jit-compile jit`, with the plain steps;
+    and the server's peak RSS over its RSS once loaded."""
+    server = LocalServer(
+        "--model-dir", str(model_dir), "--model", f"{MODEL}.keras",
+        "--optimizer", "adam", "--jit-compile", jit,
+    )  # fmt: skip
+    model, loss = build()
+    out: dict = {}
+    try:
+        idle = _rss(server.process.pid, "VmRSS")
+        with GradientClient(server.target, timeout=600) as client:
+            info = client.model_info(MODEL)
+            out["plan"] = info.plan
+            for size in sizes:
+                x, y = batch(size)
+                methods = {
+                    "plain": plain_step(model, loss, x, y, jit=False),
+                    "plain_xla": plain_step(model, loss, x, y, jit=True),
+                    "norms": lambda x=x, y=y: client.per_example_gradients(
+                        MODEL, x, y, reduction="norms"
+                    ),
+                    "clipped": lambda x=x, y=y: client.per_example_gradients(
+                        MODEL, x, y, reduction="clipped_sum", **DP
+                    ),
+                    "step": lambda x=x, y=y, size=size: client.step(
+                        MODEL, x, y, learning_rate=1e-4, expected_batch_size=size, **DP
+                    ),
+                }
+                out[size] = _medians(methods, rounds)
+        out["server_peak_over_idle"] = _rss(server.process.pid, "VmHWM") - idle
+    finally:
+        server.stop()
+    return out
+
+
+def lora_in_process(sizes: list[int], rounds: int) -> dict[int, dict[str, float]]:
+    from pergrad.server.engine import Engine
+
+    model, loss = build(lora=True)
+    engine = Engine(model, loss=loss)
+    out = {}
+    for size in sizes:
+        x, y = batch(size)
+        methods = {
+            "plain": plain_step(model, loss, x, y, jit=False),
+            "clipped": lambda x=x, y=y: engine.per_example_gradients(
+                x, y, reduction="clipped_sum", max_norm=1.0, noise_multiplier=1.0, seed=1
+            ),
+        }
+        out[size] = _medians(methods, rounds)
+    out["plan"] = engine.plan_text
+    return out
+
+
+def plain_peak(size: int) -> None:
+    """(child) What one plain step adds to this process's peak RSS, printed."""
+    model, loss = build()
+    x, y = batch(size)
+    step = plain_step(model, loss, x, y, jit=False)
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    for _ in range(3):
+        step()
+    print(json.dumps({"bytes": peak_rss_bytes() - before}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--jit", nargs="+", default=["auto", "off"])
+    parser.add_argument("--plain-peak", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plain_peak:
+        plain_peak(args.plain_peak)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        build()[0].save(Path(folder) / f"{MODEL}.keras")
+        runs = {jit: served(Path(folder), jit, args.batches, args.rounds) for jit in args.jit}
+    print("| server XLA | B | plain ms (XLA off / on) | norms | clipped_sum | DP step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for jit, run in runs.items():
+        for size in args.batches:
+            m = run[size]
+            ratios = " | ".join(
+                f"{m[k] / m['plain']:.2f}x / {m[k] / m['plain_xla']:.2f}x"
+                for k in ("norms", "clipped", "step")
+            )
+            print(
+                f"| {jit} | {size} | {1000 * m['plain']:.0f} / {1000 * m['plain_xla']:.0f} "
+                f"| {ratios} |"
+            )
+    lora = lora_in_process(args.batches, args.rounds)
+    print("\n| LoRA, in process | B | plain LoRA step ms | clipped_sum ms | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for size in args.batches:
+        m = lora[size]
+        print(
+            f"| rank {LORA_RANK} | {size} | {1000 * m['plain']:.0f} | {1000 * m['clipped']:.0f} "
+            f"| {m['clipped'] / m['plain']:.2f}x |"
+        )
+    print(f"\nLoRA plan: {lora['plan']}")
+    for jit, run in runs.items():
+        print(f"server plan ({jit}): {run['plan']}")
+    for size in args.batches:
+        plain = run_child(Path(__file__), ["--plain-peak", str(size)])["bytes"]
+        for jit, run in runs.items():
+            peak = run["server_peak_over_idle"]
+            print(
+                f"memory, B={size}, server {jit}: server peak over idle {peak / 2**20:.0f} MiB "
+                f"(all sizes), plain step's {plain / 2**20:.0f} MiB: {peak / plain:.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
