@@ -1,6 +1,8 @@
 """Zoo models saved as .keras files, served by a real server, against the Keras oracle.
 
-Three families of tests/zoo.py (a dict of inputs, an LSTM text model, a regression) are
+Three families of tests/zoo.py (a dict of inputs, an LSTM text model, a regression) and
+every keras-hub classifier without LoRA (Keras' save merges LoRA into the kernels; a
+functional model that calls a backbone's table in reverse does not load again) are
 compiled with their Keras loss, saved with model.save, loaded by the server from its
 model directory (safe mode) and asked for per-example gradients through the real
 client; the oracle runs on the models as they were before saving.
@@ -17,11 +19,16 @@ import pytest
 
 from pergrad.client import GradientClient
 from pergrad.server.main import RunningServer, start
-from tests import oracle
+from tests import oracle, zoo_keras_hub
 from tests.helpers import assert_close, loopback_config
 from tests.zoo import FAMILIES
 
-SERVED = ("dict_features", "lstm_text", "regression")
+KERAS_HUB = tuple(
+    name
+    for name, family in FAMILIES.items()
+    if family.build.__module__ == zoo_keras_hub.__name__ and name.endswith("_classifier")
+)
+SERVED = ("dict_features", "lstm_text", "regression", *KERAS_HUB)
 
 
 @pytest.fixture(scope="module")
