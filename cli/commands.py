@@ -31,10 +31,15 @@ def _describe(info: ModelInfo) -> str:
         f"  loss    {info.loss}",
         f"  plan    {info.plan_id}  {info.plan}",
         f"  steps   {info.optimizer or 'not offered by this server'}",
+        f"  lora    {info.lora or 'off: every variable trains'}",
         "  limits  "
         + "  ".join(f"{f.name} {getattr(info.limits, f.name)}" for f in fields(info.limits)),
     ]
-    lines += [f"  var     {v.name}  {v.dtype.name} {list(v.shape)}" for v in info.variables]
+    routes = info.route_of
+    lines += [
+        f"  var     {v.name}  {v.dtype.name} {list(v.shape)}  {routes.get(v.name, '')}".rstrip()
+        for v in info.variables
+    ]
     return "\n".join(lines)
 
 

@@ -30,6 +30,8 @@ class StepResult:
         num_clipped: examples whose norm exceeded max_norm ("clipped_sum"; else 0).
         gradient_norm: the L2 norm of the gradient the optimizer applied (sum / divisor).
         server: the replica(s) that applied it, comma-separated.
+        update_norms: how far the step moved each variable, ||new - old|| by name: a
+            variable that stays at 0 trains nothing (see `unmoved`).
     """
 
     model_version: int
@@ -39,6 +41,12 @@ class StepResult:
     num_clipped: int
     gradient_norm: float
     server: str
+    update_norms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def unmoved(self) -> list[str]:
+        """The variables this step left exactly where they were."""
+        return sorted(name for name, norm in self.update_norms.items() if norm == 0)
 
 
 def step_call(call: Call) -> Call:
@@ -74,6 +82,7 @@ def on_one(
         int(reply.num_clipped),
         reply.gradient_norm,
         reply.server,
+        dict(reply.update_norms),
     )
 
 
@@ -115,4 +124,5 @@ def on_all(
         int(result.num_clipped or 0),
         first.gradient_norm,
         ",".join(r.server for r in replies),
+        dict(first.update_norms),
     )

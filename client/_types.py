@@ -128,6 +128,13 @@ class ModelInfo:
     plan_id: str = ""  # its fingerprint: equal on replicas that compute the same bits
     loss_dtype: np.dtype = _FLOAT32  # of every result's losses
     optimizer: str = ""  # what ApplyStep (`GradientClient.step`) applies updates with
+    routes: tuple[str, ...] = ()  # each variable's route: "rule: ...", "generic: ...", ...
+    lora: str = ""  # the LoRA the server enabled (--lora); empty: none
+
+    @property
+    def route_of(self) -> dict[str, str]:
+        """Each variable's route by name (empty from a server that does not say)."""
+        return dict(zip((v.name for v in self.variables), self.routes, strict=False))
 
     @classmethod
     def from_proto(cls, info: pb.ModelInfo, *, max_bytes: int = MAX_MODEL_BYTES) -> ModelInfo:
@@ -160,6 +167,8 @@ class ModelInfo:
             plan_id=info.plan_id,
             loss_dtype=numpy_dtype(info.loss_dtype) if info.loss_dtype else _FLOAT32,
             optimizer=info.optimizer,
+            routes=tuple(info.routes),
+            lora=info.lora,
         )
 
     @property

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pergrad.server.auth import TokenFileError, load_tokens
+from pergrad.server.lora_spec import LoraSpec, LoraSpecError, parse_lora
 from pergrad.server.tls import check_files
 
 JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
@@ -94,6 +95,7 @@ class Config:
     grace_s: float = 10.0
     jit_compile: str = "auto"
     optimizer: str = "sgd"
+    lora: str = ""
     replica_name: str = f"{socket.gethostname()}/{os.getpid()}"
     max_connection_age_s: float = 300.0
     log_level: str = "INFO"
@@ -110,6 +112,13 @@ class Config:
     @functools.cached_property
     def optimizer_spec(self) -> OptimizerSpec:
         return parse_optimizer(self.optimizer)
+
+    @functools.cached_property
+    def lora_spec(self) -> LoraSpec:
+        try:
+            return parse_lora(self.lora)
+        except LoraSpecError as err:
+            raise ConfigError(str(err)) from None
 
     def coalescing_bound(self, gpu: bool) -> int:
         """--max-coalesced-batch as a number, auto resolved: AUTO_COALESCED_BATCH with a
@@ -196,6 +205,7 @@ class Config:
                 f"got {self.max_coalesced_batch}"
             )
         _ = self.optimizer_spec  # parsed here: a bad --optimizer stops the start
+        _ = self.lora_spec  # likewise --lora
         if self.grace_s < 0:
             raise ConfigError(f"--grace must be >= 0, got {self.grace_s}")
         if self.model_dir is not None and not self.model_dir.is_dir():
@@ -337,6 +347,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "...], e.g. sgd, sgd:momentum=0.9, adam:beta_2=0.99 (the learning rate is each step's)",
     )
     parser.add_argument(
+        "--lora",
+        default=_env("LORA", d.lora),
+        help="enable LoRA on the served .keras models at load and train only its factors "
+        "(and the layers named in train): rank=R[,alpha=A][,targets=L1+L2][,train=L3+L4]; "
+        "targets default to each keras-hub backbone's own, train to the layers outside the "
+        "backbones (a classifier's head); default: off, every weight trains",
+    )
+    parser.add_argument(
         "--replica-name",
         default=_env("REPLICA_NAME", d.replica_name),
         help="names this server in results (default: hostname/pid)",
@@ -424,6 +442,7 @@ def from_args(args: argparse.Namespace) -> Config:
         grace_s=_number(args, "grace_s", float),
         jit_compile=str(args.jit_compile),
         optimizer=str(args.optimizer),
+        lora=str(args.lora),
         replica_name=str(args.replica_name),
         max_connection_age_s=_number(args, "max_connection_age_s", float),
         log_level=str(args.log_level).upper(),

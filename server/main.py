@@ -111,6 +111,7 @@ def build_registry(config: Config) -> ModelRegistry:
             loss=config.loss,
             jit_compile=JIT_CHOICES[config.jit_compile],
             optimizer=optimizer,
+            lora=config.lora_spec,
         )
         for spec in specs
     )

@@ -266,6 +266,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             plan_id=plan_id,
             loss_dtype=wire_dtype(engine.loss_dtype),
             optimizer=served.trainer.description,
+            routes=engine.routes,
+            lora=served.lora,
         )
 
     @status
@@ -378,6 +380,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             weights_id=snapshot.weights_id,
             server=self._config.replica_name,
             gradient_norm=step.gradient_norm,
+            update_norms=step.moved,
         )
         if step.result is not None:
             response.losses.CopyFrom(encode_tensor(step.result.losses))

@@ -41,6 +41,7 @@ class Step:
     snapshot: Snapshot
     result: GradientResult | None  # the batch's; None for a given sum
     gradient_norm: float
+    moved: dict[str, float]  # ||new - old|| by variable name
 
 
 def apply_step(
@@ -87,7 +88,8 @@ def apply_step(
         new = served.weights.advance(
             snapshot, stepped.weights, stepped.state, new_version=request.new_version
         )
-    return Step(new, result, _norm(gradient))
+    moved = dict(zip((v.name for v in served.engine.variables), stepped.moved, strict=True))
+    return Step(new, result, _norm(gradient), moved)
 
 
 def _batch_sum(

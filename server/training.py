@@ -91,10 +91,12 @@ def _copy(variable: keras.Variable) -> tf.Tensor:
 
 @dataclass(frozen=True)
 class Stepped:
-    """What one step made: the new weights and the optimizer's new state."""
+    """What one step made: the new weights, the optimizer's new state, and how far each
+    variable moved (||new - old||, float32, model order)."""
 
     weights: tuple[tf.Tensor, ...]
     state: tuple[tf.Tensor, ...]
+    moved: tuple[float, ...] = ()
 
 
 class Trainer:
@@ -146,10 +148,9 @@ class Trainer:
         # left it): this step's rate must be the one applied.
         self._optimizer.learning_rate = learning_rate
         self._optimizer.apply(gradient, self._shadows)
-        return (
-            [_copy(v) for v in self._shadows],
-            [_copy(v) for v in self._optimizer.variables],
-        )
+        new = [_copy(v) for v in self._shadows]
+        moved = [tf.norm(tf.cast(n - w, tf.float32)) for n, w in zip(new, weights, strict=True)]
+        return new, [_copy(v) for v in self._optimizer.variables], moved
 
     def apply(
         self,
@@ -162,10 +163,10 @@ class Trainer:
         called in the step's `turn`."""
         if self._step is None:
             self._build()
-        new_weights, new_state = self._step(
+        new_weights, new_state, moved = self._step(
             list(weights),
             list(self._fresh if state is None else state),
             list(gradient),
             np.float32(learning_rate),
         )
-        return Stepped(tuple(new_weights), tuple(new_state))
+        return Stepped(tuple(new_weights), tuple(new_state), tuple(float(m) for m in moved))

@@ -114,6 +114,20 @@ def _variable_specs(model: keras.Model) -> tuple[VariableSpec, ...]:
     return specs
 
 
+# The route of a trainable variable the loss never reaches.
+UNREACHED = "unreached: the loss never reaches it, so its gradients are zeros"
+
+
+def _unreached(model: keras.Model, loss: PerExampleLoss, xs: tuple, y: np.ndarray) -> set[str]:
+    """The trainable variables the loss does not depend on (a causal LM's output table
+    under a classifier head, a pooler beside the sequence output): one eager pass."""
+    with tf.GradientTape() as tape:
+        losses = loss(y, model(model_inputs(model, xs), training=False))
+    variables = model.trainable_variables
+    grads = tape.gradient(losses, variables)
+    return {v.path for v, g in zip(variables, grads, strict=True) if g is None}
+
+
 def _slice_bound(per_example: dict[str, int], slice_bytes: int) -> str:
     """Why a slice holds as many examples as it does: the per-example bytes against the
     bound, and the variable whose per-example tensors are the largest."""
@@ -178,7 +192,15 @@ class Engine:
         )
         xs = tuple(np.zeros((2, *(d or 1 for d in s.shape)), s.dtype) for s in self.input_specs)
         y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
-        self.loss(y, model(model_inputs(model, xs), training=False))  # refuses a scalar loss
+        unreached = _unreached(model, self.loss, xs, y)  # also refuses a scalar loss
+        self.routes = tuple(
+            UNREACHED if v.name in unreached else route
+            for v, route in zip(self.variables, self.plan.routes, strict=True)
+        )
+        if unreached:
+            _LOGGER.warning(
+                "model %s: the loss never reaches %s: %s", model.name, sorted(unreached), UNREACHED
+            )
         weights = self.initial_weights()
         per_example = self._tensorflow_bytes(weights, xs, y)
         self.slice_size = max(1, slice_bytes // max(1, sum(per_example.values())))

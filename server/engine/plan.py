@@ -14,6 +14,9 @@ class Plan:
     ruled: tuple[tuple[keras.layers.Layer, Rule], ...]
     fallback: tuple[int, ...]  # positions in model.trainable_variables
     reasons: tuple[tuple[str, str], ...]  # (layer name, why it falls back)
+    # For each trainable variable, in model order: "rule: <class> (<layer>)", or
+    # "generic: <why>" (ModelInfo.routes).
+    routes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         ruled = ", ".join(f"{layer.name}({type(layer).__name__})" for layer, _ in self.ruled)
@@ -29,7 +32,7 @@ def _own_trainable(layer: keras.layers.Layer) -> list[keras.Variable]:
 def make_plan(model: keras.Model, registry: LayerRegistry) -> Plan:
     """A layer with a rule covers every variable it holds, its sublayers' too (a
     recurrent layer's cell); any other layer is planned by its own variables."""
-    ruled, reasons, covered, explained = [], [], set(), set()
+    ruled, reasons, covered, routes = [], [], set(), {}
     for layer in model._flatten_layers(include_self=False, recursive=True):
         held = [v for v in layer.trainable_variables if id(v) not in covered]
         if not held:
@@ -38,8 +41,13 @@ def make_plan(model: keras.Model, registry: LayerRegistry) -> Plan:
         if rule is not None:
             ruled.append((layer, rule))
             covered |= {id(v) for v in held}
-        elif {id(v) for v in held} - explained and (_own_trainable(layer) or registry.knows(layer)):
+            routes |= {id(v): f"rule: {type(layer).__name__} ({layer.name})" for v in held}
+        elif {id(v) for v in held} - routes.keys() and (
+            _own_trainable(layer) or registry.knows(layer)
+        ):
             reasons.append((layer.name, why))
-            explained |= {id(v) for v in held}
-    fallback = tuple(i for i, v in enumerate(model.trainable_variables) if id(v) not in covered)
-    return Plan(tuple(ruled), fallback, tuple(reasons))
+            routes |= {id(v): f"generic: {why} ({layer.name})" for v in held if id(v) not in routes}
+    variables = model.trainable_variables
+    fallback = tuple(i for i, v in enumerate(variables) if id(v) not in covered)
+    route_of = tuple(routes.get(id(v), "generic") for v in variables)
+    return Plan(tuple(ruled), fallback, tuple(reasons), route_of)

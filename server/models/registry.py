@@ -14,13 +14,16 @@ from pergrad.server.config import Config, OptimizerSpec, parse_optimizer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
 from pergrad.server.errors import NotFound
+from pergrad.server.lora_spec import LoraSpec
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
+from pergrad.server.models.lora import enable_lora, warn_if_lora_lost
 from pergrad.server.training import Trainer
 from pergrad.server.weights import WeightsStore
 from pergrad.wire.text import quoted
 
 DEFAULT_OPTIMIZER = parse_optimizer(Config.optimizer)
+NO_LORA = LoraSpec()
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ class ServedModel:
     engine: Engine
     weights: WeightsStore
     trainer: Trainer
+    lora: str = ""  # what --lora enabled (ModelInfo.lora); empty: off
 
 
 def serve_model(
@@ -40,13 +44,17 @@ def serve_model(
     loss: Any = None,
     jit_compile: JitCompile = "auto",
     optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
+    lora: LoraSpec = NO_LORA,
 ) -> ServedModel:
+    described = enable_lora(model, lora) if lora else ""
+    if not lora:
+        warn_if_lora_lost(model)
     try:
         engine = Engine(model, loss=loss, jit_compile=jit_compile)
     except ValueError as err:
         raise ModelLoadError(f"model {name!r} cannot be served: {err}") from err
     weights = WeightsStore(engine.variables, engine.initial_weights())
-    return ServedModel(name, engine, weights, Trainer(model, optimizer))
+    return ServedModel(name, engine, weights, Trainer(model, optimizer), described)
 
 
 def load_model(
@@ -56,6 +64,7 @@ def load_model(
     loss: Any = None,
     jit_compile: JitCompile = "auto",
     optimizer: OptimizerSpec = DEFAULT_OPTIMIZER,
+    lora: LoraSpec = NO_LORA,
 ) -> ServedModel:
     """A built-in model by name, or a `.keras` file (named by its file stem)."""
     if spec in BUILTIN_MODELS:
@@ -63,7 +72,9 @@ def load_model(
     else:
         path = resolve_model_path(spec, model_dir)
         spec, model = path.stem, load_keras_file(path)
-    return serve_model(spec, model, loss=loss, jit_compile=jit_compile, optimizer=optimizer)
+    return serve_model(
+        spec, model, loss=loss, jit_compile=jit_compile, optimizer=optimizer, lora=lora
+    )
 
 
 class ModelRegistry:

@@ -108,6 +108,11 @@ def test_open_services_share_the_port_unless_given_their_own(
         (["--optimizer", "sgd:momentum"], "--optimizer 'sgd:momentum': settings are key=value"),
         (["--optimizer", "adam:beta_1=high"], "'high' is not a number, true or false"),
         (["--optimizer", ":momentum=0.9"], "begins with an optimizer's name"),
+        (["--lora", "4"], "--lora '4': settings are key=value"),
+        (["--lora", "rank=0"], "rank must be positive, got '0'"),
+        (["--lora", "rank=2.5"], "rank must be a number, got '2.5'"),
+        (["--lora", "rank=2,alpha=big"], "alpha must be a number, got 'big'"),
+        (["--lora", "alpha=4"], "rank must be a number, got ''"),
     ],
 )
 def test_invalid_settings_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
@@ -270,3 +275,17 @@ def test_unusable_security_settings_are_refused_naming_the_flag(
     (tmp_path / "empty").write_text("")
     with pytest.raises(ConfigError, match=message):
         parse(argv(pki, tmp_path))
+
+
+def test_lora_reads_rank_alpha_targets_and_what_else_trains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PERGRAD_LORA", "rank=4,alpha=8,targets=query+value,train=head")
+    spec = parse([]).lora_spec
+    assert (spec.rank, spec.alpha, spec.targets, spec.train) == (
+        4,
+        8.0,
+        ("query", "value"),
+        ("head",),
+    )
+    assert not parse(["--lora", ""]).lora_spec

@@ -47,7 +47,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs", "limits", "plan", "plan_id", "loss_dtype", "optimizer")
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs", "limits", "plan", "plan_id", "loss_dtype", "optimizer", "routes", "lora")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class ModelInfo(_message.Message):
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
     LOSS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_version: int
     variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
@@ -78,7 +80,9 @@ class ModelInfo(_message.Message):
     plan_id: str
     loss_dtype: _tensor_pb2.DataType
     optimizer: str
-    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., plan: _Optional[str] = ..., plan_id: _Optional[str] = ..., loss_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., optimizer: _Optional[str] = ...) -> None: ...
+    routes: _containers.RepeatedScalarFieldContainer[str]
+    lora: str
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., plan: _Optional[str] = ..., plan_id: _Optional[str] = ..., loss_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., optimizer: _Optional[str] = ..., routes: _Optional[_Iterable[str]] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_batch", "max_request_bytes", "max_inflight_examples", "max_inflight_bytes", "max_coalesced_batch")
@@ -240,7 +244,14 @@ class StepRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., new_version: _Optional[int] = ..., batch: _Optional[_Union[GradientsRequest, _Mapping]] = ..., gradient_sum: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., learning_rate: _Optional[float] = ..., expected_batch_size: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("model", "model_version", "weights_id", "server", "losses", "norms", "num_clipped", "gradient_norm")
+    __slots__ = ("model", "model_version", "weights_id", "server", "losses", "norms", "num_clipped", "gradient_norm", "update_norms")
+    class UpdateNormsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +260,7 @@ class StepResponse(_message.Message):
     NORMS_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIPPED_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_NORM_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_NORMS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     weights_id: str
@@ -257,7 +269,8 @@ class StepResponse(_message.Message):
     norms: _tensor_pb2.Tensor
     num_clipped: int
     gradient_norm: float
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., server: _Optional[str] = ..., losses: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., norms: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., num_clipped: _Optional[int] = ..., gradient_norm: _Optional[float] = ...) -> None: ...
+    update_norms: _containers.ScalarMap[str, float]
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., server: _Optional[str] = ..., losses: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., norms: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., num_clipped: _Optional[int] = ..., gradient_norm: _Optional[float] = ..., update_norms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GradientsResponse(_message.Message):
     __slots__ = ("request_id", "header", "chunk")

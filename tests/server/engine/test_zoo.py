@@ -25,6 +25,7 @@ import pytest
 import tensorflow as tf
 
 from pergrad.server.engine import Engine
+from pergrad.server.engine.engine import UNREACHED
 from tests import oracle
 from tests.helpers import RELATIVE_TOLERANCE, assert_close, float64_tolerances
 from tests.zoo import FAMILIES, Family
@@ -111,6 +112,17 @@ def test_family_matches_keras_oracle(name: str) -> None:
     assert_close({"losses": in_pass_losses}, {"losses": losses})
 
 
+def test_variables_the_loss_never_reaches_are_named_and_get_zeros() -> None:
+    """A classifier on BERT's sequence output never reaches its pooler: the engine names
+    those variables' route (ModelInfo.routes), and the oracle agrees their gradients are
+    zeros (test_family_matches_keras_oracle)."""
+    _, _, _, engine = _built("bert_classifier")
+    unreached = {
+        v.name for v, r in zip(engine.variables, engine.routes, strict=True) if r == UNREACHED
+    }
+    assert unreached == {"pooled_dense/kernel", "pooled_dense/bias"}
+
+
 def test_list_and_dict_inputs_give_the_same_result() -> None:
     """The two-input transformer takes its inputs as a list in model order or as a dict
     by input name; the dict-input model as a dict or as a list in Keras' order."""
@@ -141,6 +153,7 @@ def test_float64_and_int64_batches_are_cast() -> None:
 
 _TRANSFORMER_WITHOUT_XLA = """
 from pergrad.server.engine import Engine
+from pergrad.server.engine.engine import UNREACHED
 from tests import oracle
 from tests.helpers import assert_close
 from tests.zoo import FAMILIES
