@@ -52,6 +52,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 0),
+    # Subchannels of this channel's own: gRPC shares them across a process's channels by
+    # default, so a new client of a server that restarted on the same port (or of a new
+    # server on a port the system reused) inherited the old connection's failure backoff
+    # and failed at once with UNAVAILABLE (seen in tests/server/test_steps.py).
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

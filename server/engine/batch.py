@@ -7,7 +7,7 @@ input order, each with the batch as its leading dimension.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,54 @@ def embedding_bound(model: keras.Model, position: int) -> tuple[int, str]:
     `position` feeds directly, or (0, "") when it feeds none. An id outside the table
     would fail deep in TensorFlow, or under XLA be clamped silently to another row."""
     tensor = model.inputs[position]
-    bounds = [
-        (layer.input_dim, layer.name)
-        for layer in model._flatten_layers(include_self=False, recursive=True)
-        if isinstance(layer, keras.layers.Embedding)
-        for node in layer._inbound_nodes
-        if any(t is tensor for t in node.input_tensors)
-    ]
+    bounds = [(layer.input_dim, layer.name) for layer, ids in embedding_ids(model) if ids is tensor]
     return min(bounds) if bounds else (0, "")
+
+
+def embedding_ids(model: keras.Model) -> Iterator[tuple[keras.layers.Embedding, Any]]:
+    """Each embedding's ids as a tensor of `model`'s graph: those of the embeddings its
+    layers are or hold (a table used in reverse, as an output projection, takes no ids),
+    and those of the functional models called in it (a keras-hub backbone under a head),
+    each seen through a model of the nested one's ids called on the tensors the outer graph
+    gives it (an input of the nested model becomes the outer tensor itself)."""
+    for layer in model.layers:
+        if isinstance(layer, keras.Model) and hasattr(layer, "_inputs_struct"):
+            yield from _nested_ids(layer)
+            continue
+        held = [
+            e
+            for e in layer._flatten_layers(include_self=True, recursive=True)
+            if isinstance(e, keras.layers.Embedding)
+        ]
+        for embedding in held:
+            for node in embedding._inbound_nodes:
+                if not node.arguments.kwargs.get("reverse"):
+                    yield embedding, node.input_tensors[0]
+        yield from _held_ids(layer, held)
+
+
+def _held_ids(
+    layer: keras.layers.Layer, held: list[keras.layers.Embedding]
+) -> Iterator[tuple[keras.layers.Embedding, Any]]:
+    """A layer that holds one embedding, which records no calls of its own (a subclassed
+    layer's sublayers do not: keras-hub's TokenAndPositionEmbedding), and takes integer
+    ids first: those are its embedding's."""
+    if len(held) != 1 or held[0] is layer or held[0]._inbound_nodes:
+        return
+    for node in layer._inbound_nodes:
+        first = node.input_tensors[0] if node.input_tensors else None
+        if first is not None and np.dtype(first.dtype).kind in "iu":
+            yield held[0], first
+
+
+def _nested_ids(nested: keras.Model) -> Iterator[tuple[keras.layers.Embedding, Any]]:
+    for embedding, inner in embedding_ids(nested):
+        try:
+            ids_of = keras.Model(nested._inputs_struct, inner)
+        except ValueError:  # not reachable from the nested model's inputs
+            continue
+        for node in nested._inbound_nodes:
+            yield embedding, ids_of(*node.arguments.args, **node.arguments.kwargs)
 
 
 def make_batch(

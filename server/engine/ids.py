@@ -12,8 +12,9 @@ request, never reaches a pass it would share with other callers.
 The probe runs with the model's own weights (layers that compute ids hold none in
 practice), compiled once: run eagerly, Keras's Python cost several times the pass
 (`benchmarks/zoo.py`, computed_ids: 2.55x vectorized_map's time before, 1.24x after).
-An embedding the outer graph cannot reach (inside a nested model called on an inner
-tensor) gets no probe.
+An embedding inside a functional model nested in another (a keras-hub backbone under a
+classifier head, called on new inputs) is probed through the nested model, called on what
+the outer graph gives it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pergrad.server.engine.batch import Batch
+from pergrad.server.engine.batch import Batch, embedding_ids
 from pergrad.server.engine.compiled import FlatCall
 from pergrad.server.errors import InvalidArgument
 
@@ -64,22 +65,15 @@ class ComputedIds:
 
 def _probes(model: keras.Model) -> list[_Probe]:
     probes = []
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if not isinstance(layer, keras.layers.Embedding):
+    inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+    for layer, ids in embedding_ids(model):
+        if any(ids is tensor for tensor in model.inputs):
+            continue  # an input: make_batch checks it
+        try:
+            probe = keras.Model(inputs, ids)
+        except ValueError:  # not reachable from the model's inputs
             continue
-        for node in layer._inbound_nodes:
-            if node.arguments.kwargs.get("reverse"):
-                continue  # a ReversibleEmbedding used as an output projection: no ids
-            ids = node.input_tensors[0]
-            if any(ids is tensor for tensor in model.inputs):
-                continue  # an input: make_batch checks it
-            try:
-                probe = keras.Model(
-                    model.inputs[0] if len(model.inputs) == 1 else model.inputs, ids
-                )
-            except ValueError:  # not reachable from the model's inputs
-                continue
-            probes.append(_Probe(layer.name, layer.input_dim, _compiled(probe)))
+        probes.append(_Probe(layer.name, layer.input_dim, _compiled(probe)))
     return probes
 
 

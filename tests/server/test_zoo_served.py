@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import keras
 import pytest
 
-from pergrad.client import GradientClient
+from pergrad.client import GradientClient, PergradError
 from pergrad.server.main import RunningServer, start
 from tests import oracle, zoo_keras_hub
 from tests.helpers import assert_close, loopback_config
@@ -89,3 +90,13 @@ def test_served_norms_and_clipped_sum_match_keras_oracle(zoo) -> None:
     )
     assert clipped.num_clipped == int((norms > max_norm).sum())
     assert_close(clipped.clipped_sum, oracle.clipped_sum(grads, max_norm))
+
+
+def test_a_token_id_outside_the_vocabulary_is_invalid_argument_over_the_wire(zoo) -> None:
+    model, _ = zoo["gpt2_classifier"]
+    x, y = FAMILIES["gpt2_classifier"].batch(model, 3)
+    x["token_ids"][2, 0] = zoo_keras_hub.VOCABULARY
+    with pytest.raises(PergradError) as refused:
+        zoo["client"].per_example_gradients("gpt2_classifier", x, y, reduction="norms")
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "examples [2] hold ids outside [0, 50)" in refused.value.message

@@ -26,7 +26,8 @@ import tensorflow as tf
 
 from pergrad.server.engine import Engine
 from pergrad.server.engine.engine import UNREACHED
-from tests import oracle
+from pergrad.server.errors import InvalidArgument
+from tests import oracle, zoo_keras_hub
 from tests.helpers import RELATIVE_TOLERANCE, assert_close, float64_tolerances
 from tests.zoo import FAMILIES, Family
 
@@ -123,6 +124,21 @@ def test_variables_the_loss_never_reaches_are_named_and_get_zeros() -> None:
     assert unreached == {"pooled_dense/kernel", "pooled_dense/bias"}
 
 
+KERAS_HUB = sorted(n for n, f in FAMILIES.items() if f.build.__module__ == zoo_keras_hub.__name__)
+
+
+@pytest.mark.parametrize("name", KERAS_HUB)
+@pytest.mark.parametrize("bad", [zoo_keras_hub.VOCABULARY, -1])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_them(name: str, bad: int) -> None:
+    """The token table sits in a backbone nested under the head (an id past it would be
+    clamped to another row under XLA, or wrap without it): refused, naming the example."""
+    family, model, _, engine = _built(name)
+    x, y = family.batch(model, 3)
+    x["token_ids"][1, 2] = bad
+    with pytest.raises(InvalidArgument, match=r"examples \[1\] hold ids outside \[0, 50\)"):
+        engine.per_example_gradients(x, y, reduction="norms")
+
+
 def test_list_and_dict_inputs_give_the_same_result() -> None:
     """The two-input transformer takes its inputs as a list in model order or as a dict
     by input name; the dict-input model as a dict or as a list in Keras' order."""
@@ -154,7 +170,8 @@ def test_float64_and_int64_batches_are_cast() -> None:
 _TRANSFORMER_WITHOUT_XLA = """
 from pergrad.server.engine import Engine
 from pergrad.server.engine.engine import UNREACHED
-from tests import oracle
+from pergrad.server.errors import InvalidArgument
+from tests import oracle, zoo_keras_hub
 from tests.helpers import assert_close
 from tests.zoo import FAMILIES
 
