@@ -62,7 +62,7 @@ def assert_close(
     misses = [
         f"{name}: relative error {error:.2e} over {bounds[name]:.1e}"
         for name, error in relative_errors(actual, expected).items()
-        if error > bounds[name]
+        if not error <= bounds[name]  # a NaN is a miss (NaN > bound is False)
     ]
     assert not misses, "; ".join(misses)
 

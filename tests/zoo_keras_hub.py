@@ -54,8 +54,11 @@ def _hidden(backbone: keras.Model, inputs: dict[str, Any]) -> Any:
     return hidden["sequence_output"] if isinstance(hidden, dict) else hidden
 
 
-def classifier(name: str, seed: int, lora: bool = False) -> Callable[[], tuple[keras.Model, Any]]:
-    """A classifier on the backbone's first token (a nested functional model)."""
+def classifier(
+    name: str, seed: int, lora: bool = False, mean: bool = False
+) -> Callable[[], tuple[keras.Model, Any]]:
+    """A classifier on the backbone's first token (a nested functional model), or on the
+    mean of its outputs over the unpadded tokens (`mean`)."""
 
     def build() -> tuple[keras.Model, Any]:
         backbone = _backbone(name, seed)
@@ -66,12 +69,18 @@ def classifier(name: str, seed: int, lora: bool = False) -> Callable[[], tuple[k
         head = keras.layers.Dense(
             CLASSES, kernel_initializer=keras.initializers.GlorotUniform(seed), name="head"
         )
-        model = keras.Model(
-            inputs, head(_hidden(backbone, inputs)[:, 0]), name=f"{name}_classifier"
-        )
+        hidden = _hidden(backbone, inputs)
+        pooled = _masked_mean(hidden, inputs["padding_mask"]) if mean else hidden[:, 0]
+        model = keras.Model(inputs, head(pooled), name=f"{name}_classifier")
         return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     return build
+
+
+def _masked_mean(hidden: Any, padding_mask: Any) -> Any:
+    """The mean over the unpadded steps: 0 / 0 for an example of padding alone."""
+    mask = keras.ops.expand_dims(keras.ops.cast(padding_mask, hidden.dtype), -1)
+    return keras.ops.sum(hidden * mask, axis=1) / keras.ops.sum(mask, axis=1)
 
 
 def causal_lm(name: str, seed: int) -> Callable[[], tuple[keras.Model, Any]]:

@@ -15,8 +15,8 @@ it without XLA, which computes it correctly, and says so.
 Two cases need a static batch size: XLA compiles once per input shape, and the
 vectorized route (pfor) segfaults in TensorFlow 2.21's oneDNN kernels on
 MultiHeadAttention when the batch dimension is unknown at trace time. Then slices are
-padded with zero examples to a power-of-two bucket, one function per bucket, and the
-padding is dropped from the results.
+padded with copies of their first example to a power-of-two bucket, one function per
+bucket, and the padding is dropped from the results (and weighs nothing in sums).
 """
 
 from __future__ import annotations
@@ -224,7 +224,12 @@ def _seconds(run: CompiledPass, weights: Sequence[tf.Tensor], xs: Inputs, y: np.
 
 
 def _pad(array: np.ndarray, size: int) -> np.ndarray:
-    if array.shape[0] == size:
+    """`array` grown to `size` rows by copies of its first: a zero example can make a model
+    divide by zero (a mean over a padding mask of none), and its NaN would reach the sums
+    its zero weight leaves it out of (0 * NaN is NaN). An empty array grows by zeros."""
+    count = array.shape[0]
+    if count == size:
         return array
-    padding = np.zeros((size - array.shape[0], *array.shape[1:]), array.dtype)
-    return np.concatenate([array, padding])
+    if count == 0:
+        return np.zeros((size, *array.shape[1:]), array.dtype)
+    return np.concatenate([array, np.repeat(array[:1], size - count, axis=0)])
