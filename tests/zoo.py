@@ -518,6 +518,11 @@ FAMILIES |= {
         hub.classifier("bert", 322, lora=True, mean=True), hub.batch, ruled=True, jit_compile=True
     ),
     "gpt2_causal_lm": Family(hub.causal_lm("gpt2", 320), hub.lm_batch, ruled=True),
+    # keras-hub's own tasks, built on the backbone's inputs: token ids [B, any]
+    "gpt2_causal_lm_task": Family(hub.task("GPT2CausalLM", "gpt2", 323), hub.lm_batch, ruled=True),
+    "bert_text_classifier_task": Family(
+        hub.task("BertTextClassifier", "bert", 324), hub.batch, ruled=True
+    ),
     "llama_causal_lm": Family(
         hub.causal_lm("llama", 321), hub.lm_batch, ruled=True, jit_compile=True
     ),

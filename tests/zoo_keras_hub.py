@@ -97,6 +97,21 @@ def causal_lm(name: str, seed: int) -> Callable[[], tuple[keras.Model, Any]]:
     return build
 
 
+def task(kind: str, name: str, seed: int) -> Callable[[], tuple[keras.Model, Any]]:
+    """keras-hub's own task on the backbone (no preprocessor), as a user builds and
+    compiles it: built on `backbone.input`, so its time axis has no fixed length."""
+
+    def build() -> tuple[keras.Model, Any]:
+        backbone = _backbone(name, seed)
+        options = {"num_classes": CLASSES} if kind.endswith("Classifier") else {}
+        model = getattr(keras_hub.models, kind)(backbone=backbone, preprocessor=None, **options)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(loss=loss)
+        return model, loss
+
+    return build
+
+
 def _perturb_lora(backbone: keras.Model, seed: int) -> None:
     """LoRA's B starts at zero, where A's gradient is zero too: random factors test both."""
     rng = np.random.default_rng(seed + 1)

@@ -145,9 +145,13 @@ def make_batch(
                 f"inputs[{spec.name!r}]: {array.shape[0]} examples, "
                 f"inputs[{inputs[0].name!r}] has {size}"
             )
-    if y.shape != (size, *labels.shape):
+    if len(y.shape) != len(labels.shape) + 1 or any(
+        want is not None and got != want
+        for got, want in zip(y.shape, (size, *labels.shape), strict=False)
+    ):
         raise InvalidArgument(
-            f"labels: shape {list(y.shape)}, expected {[size, *labels.shape]}"
+            f"labels: shape {list(y.shape)}, expected "
+            f"{[size, *(('any' if d is None else d) for d in labels.shape)]}"
             " (one label per input example)"
         )
     check_labels(y, labels)

@@ -191,7 +191,7 @@ class Engine:
             model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
         )
         xs = tuple(np.zeros((2, *(d or 1 for d in s.shape)), s.dtype) for s in self.input_specs)
-        y = np.zeros((2, *self.label_spec.shape), self.label_spec.dtype)
+        y = np.zeros((2, *(d or 1 for d in self.label_spec.shape)), self.label_spec.dtype)
         unreached = _unreached(model, self.loss, xs, y)  # also refuses a scalar loss
         self.routes = tuple(
             UNREACHED if v.name in unreached else route

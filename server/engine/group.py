@@ -94,10 +94,11 @@ def _probe(engine: Engine, size: int) -> tuple[tuple[np.ndarray, ...], np.ndarra
         for s in engine.input_specs
     )
     spec = engine.label_spec
+    shape = (size, *(d or 1 for d in spec.shape))
     if spec.dtype.kind == "f":
-        y = rng.standard_normal((size, *spec.shape)).astype(spec.dtype)
+        y = rng.standard_normal(shape).astype(spec.dtype)
     else:
-        y = rng.integers(0, max(spec.num_classes, 1), (size, *spec.shape)).astype(spec.dtype)
+        y = rng.integers(0, max(spec.num_classes, 1), shape).astype(spec.dtype)
     return xs, y
 
 

@@ -78,8 +78,15 @@ class PerExampleLoss:
         return self._kind in _CLASS_INDEX_LOSSES
 
     def label_spec(self, output_shape: tuple[int | None, ...], output_dtype: str) -> LabelSpec:
-        """Labels for a model whose output is [B, *output_shape[1:]]."""
-        per_example = tuple(int(d) for d in output_shape[1:])
+        """Labels for a model whose output is [B, *output_shape[1:]]; an axis of any size
+        (a causal LM's time steps) stays None. The classes, a class-index loss's last axis,
+        must have a size."""
+        per_example = tuple(None if d is None else int(d) for d in output_shape[1:])
+        if self.uses_class_indices and per_example and per_example[-1] is None:
+            raise ValueError(
+                f"the model's output {list(output_shape)} has classes of no fixed number; "
+                f"loss {self.description} needs them"
+            )
         if self.uses_class_indices:
             return LabelSpec(np.dtype("int32"), per_example[:-1], per_example[-1])
         return LabelSpec(np.dtype(output_dtype), per_example, 0)

@@ -53,8 +53,23 @@ def serve_model(
         engine = Engine(model, loss=loss, jit_compile=jit_compile)
     except ValueError as err:
         raise ModelLoadError(f"model {name!r} cannot be served: {err}") from err
+    if loss is None and _is_keras_hub_task(model):
+        _LOGGER.warning(
+            "model %s is a keras-hub %s: Keras restores a task's own default compile(), not "
+            "the one it was saved with, so its loss here is %s; --loss chooses another",
+            name,
+            type(model).__name__,
+            engine.loss.description,
+        )
     weights = WeightsStore(engine.variables, engine.initial_weights())
     return ServedModel(name, engine, weights, Trainer(model, optimizer), described)
+
+
+def _is_keras_hub_task(model: keras.Model) -> bool:
+    return any(
+        kind.__name__ == "Task" and kind.__module__.startswith("keras_hub")
+        for kind in type(model).__mro__
+    )
 
 
 def load_model(

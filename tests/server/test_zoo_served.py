@@ -1,8 +1,9 @@
 """Zoo models saved as .keras files, served by a real server, against the Keras oracle.
 
 Three families of tests/zoo.py (a dict of inputs, an LSTM text model, a regression) and
-every keras-hub classifier without LoRA (Keras' save merges LoRA into the kernels; a
-functional model that calls a backbone's table in reverse does not load again) are
+every keras-hub classifier and task without LoRA (Keras' save merges LoRA into the
+kernels; a functional model that calls a backbone's table in reverse does not load again,
+keras-hub's GPT2CausalLM task does) are
 compiled with their Keras loss, saved with model.save, loaded by the server from its
 model directory (safe mode) and asked for per-example gradients through the real
 client; the oracle runs on the models as they were before saving.
@@ -27,7 +28,7 @@ from tests.zoo import FAMILIES
 KERAS_HUB = tuple(
     name
     for name, family in FAMILIES.items()
-    if family.build.__module__ == zoo_keras_hub.__name__ and name.endswith("_classifier")
+    if family.build.__module__ == zoo_keras_hub.__name__ and name.endswith(("_classifier", "_task"))
 )
 SERVED = ("dict_features", "lstm_text", "regression", *KERAS_HUB)
 

@@ -108,3 +108,11 @@ def test_a_keras_hub_model_served_without_lora_says_every_weight_trains(
     with caplog.at_level(logging.WARNING):
         load_model(f"{NAME}.keras", model_dir=saved)
     assert "saved with LoRA loses it" in caplog.text and "--lora rank=R" in caplog.text
+
+
+def test_replicas_that_enable_the_same_lora_start_from_the_same_weights(saved: Path) -> None:
+    """The factors' initial values are seeded: two servers of one file agree by content."""
+    spec = parse_lora(LORA)
+    first, second = (load_model(f"{NAME}.keras", model_dir=saved, lora=spec) for _ in "ab")
+    assert first.weights.current.weights_id == second.weights.current.weights_id
+    assert first.engine.plan_id == second.engine.plan_id
