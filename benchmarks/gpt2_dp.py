@@ -13,13 +13,13 @@ images and manifests ship). In turns, medians of the rounds:
   clipped    `clipped_sum` with fresh noise from the server's secure source
   DP step    `client.step`: the server clips, sums, noises and applies Adam
 
-LoRA (rank 4 on the attention's query and value, the head trainable: keras-hub's
-`enable_lora`): the in-process Engine's clipped sum (seeded) against the plain LoRA step.
+LoRA: the same file served with `--lora rank=4` (the attention's query and value, the head
+trainable), against the plain step of the same model with LoRA enabled the same way.
 
 Memory: the server's peak RSS over its RSS once loaded, against what the plain step adds
 to a process's peak (each in a process of its own).
 
-    python benchmarks/gpt2_dp.py [--batches 16 32] [--rounds 5] [--jit auto off]
+    python benchmarks/gpt2_dp.py [--batches 16 32] [--rounds 5] [--jit auto off] [--lora 0 4]
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ MODEL = "gpt2_classifier"
 DP = {"max_norm": 1.0, "noise_multiplier": 1.0}  # no seed: fresh noise
 
 
-def build(*, lora: bool = False):
-    """The classifier and its loss, seeded."""
+def build(*, lora: int = 0):
+    """The classifier and its loss, seeded; with LoRA of that rank enabled as the server's
+    --lora does."""
     import keras
     import keras_hub
 
@@ -66,13 +67,16 @@ def build(*, lora: bool = False):
         intermediate_dim=1024,
         max_sequence_length=STEPS,
     )
-    if lora:
-        backbone.enable_lora(LORA_RANK)
     inputs = {i.name: keras.Input((STEPS,), dtype=i.dtype, name=i.name) for i in backbone.inputs}
     logits = keras.layers.Dense(CLASSES, name="head")(backbone(inputs)[:, 0])
     model = keras.Model(inputs, logits, name=MODEL)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(loss=loss)
+    if lora:
+        from pergrad.server.lora_spec import parse_lora
+        from pergrad.server.models.lora import enable_lora
+
+        enable_lora(model, parse_lora(f"rank={lora}"))
     return model, loss
 
 
@@ -124,14 +128,14 @@ def _rss(pid: int, field: str) -> int:
     raise RuntimeError(f"no {field} for process {pid}")
 
 
-def served(model_dir: Path, jit: str, sizes: list[int], rounds: int) -> dict:
-    """Each size's medians through a server of `--jit-compile jit`, with the plain steps;
-    and the server's peak RSS over its RSS once loaded."""
+def served(model_dir: Path, jit: str, sizes: list[int], rounds: int, lora: int) -> dict:
+    """Each size's medians through a server of `--jit-compile jit` (and `--lora rank=lora`),
+    with the plain steps; and the server's peak RSS over its RSS once loaded."""
     server = LocalServer(
         "--model-dir", str(model_dir), "--model", f"{MODEL}.keras",
-        "--optimizer", "adam", "--jit-compile", jit,
+        "--optimizer", "adam", "--jit-compile", jit, *(["--lora", f"rank={lora}"] if lora else []),
     )  # fmt: skip
-    model, loss = build()
+    model, loss = build(lora=lora)
     out: dict = {}
     try:
         idle = _rss(server.process.pid, "VmRSS")
@@ -160,25 +164,6 @@ def served(model_dir: Path, jit: str, sizes: list[int], rounds: int) -> dict:
     return out
 
 
-def lora_in_process(sizes: list[int], rounds: int) -> dict[int, dict[str, float]]:
-    from pergrad.server.engine import Engine
-
-    model, loss = build(lora=True)
-    engine = Engine(model, loss=loss)
-    out = {}
-    for size in sizes:
-        x, y = batch(size)
-        methods = {
-            "plain": plain_step(model, loss, x, y, jit=False),
-            "clipped": lambda x=x, y=y: engine.per_example_gradients(
-                x, y, reduction="clipped_sum", max_norm=1.0, noise_multiplier=1.0, seed=1
-            ),
-        }
-        out[size] = _medians(methods, rounds)
-    out["plan"] = engine.plan_text
-    return out
-
-
 def plain_peak(size: int) -> None:
     """(child) What one plain step adds to this process's peak RSS, printed."""
     model, loss = build()
@@ -198,6 +183,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--jit", nargs="+", default=["auto", "off"])
+    parser.add_argument("--lora", type=int, nargs="+", default=[0, LORA_RANK], help="0: none")
     parser.add_argument("--plain-peak", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_peak:
@@ -205,10 +191,14 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as folder:
         build()[0].save(Path(folder) / f"{MODEL}.keras")
-        runs = {jit: served(Path(folder), jit, args.batches, args.rounds) for jit in args.jit}
-    print("| server XLA | B | plain ms (XLA off / on) | norms | clipped_sum | DP step |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for jit, run in runs.items():
+        runs = {
+            (lora, jit): served(Path(folder), jit, args.batches, args.rounds, lora)
+            for lora in args.lora
+            for jit in args.jit
+        }
+    print("| LoRA | server XLA | B | plain ms (XLA off / on) | norms | clipped_sum | DP step |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (lora, jit), run in runs.items():
         for size in args.batches:
             m = run[size]
             ratios = " | ".join(
@@ -216,24 +206,16 @@ def main() -> None:
                 for k in ("norms", "clipped", "step")
             )
             print(
-                f"| {jit} | {size} | {1000 * m['plain']:.0f} / {1000 * m['plain_xla']:.0f} "
-                f"| {ratios} |"
+                f"| {f'rank {lora}' if lora else 'none'} | {jit} | {size} | "
+                f"{1000 * m['plain']:.0f} / {1000 * m['plain_xla']:.0f} | {ratios} |"
             )
-    lora = lora_in_process(args.batches, args.rounds)
-    print("\n| LoRA, in process | B | plain LoRA step ms | clipped_sum ms | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for size in args.batches:
-        m = lora[size]
-        print(
-            f"| rank {LORA_RANK} | {size} | {1000 * m['plain']:.0f} | {1000 * m['clipped']:.0f} "
-            f"| {m['clipped'] / m['plain']:.2f}x |"
-        )
-    print(f"\nLoRA plan: {lora['plan']}")
-    for jit, run in runs.items():
-        print(f"server plan ({jit}): {run['plan']}")
+    for (lora, jit), run in runs.items():
+        print(f"server plan (LoRA {lora}, {jit}): {run['plan']}")
     for size in args.batches:
         plain = run_child(Path(__file__), ["--plain-peak", str(size)])["bytes"]
-        for jit, run in runs.items():
+        for (lora, jit), run in runs.items():
+            if lora:
+                continue
             peak = run["server_peak_over_idle"]
             print(
                 f"memory, B={size}, server {jit}: server peak over idle {peak / 2**20:.0f} MiB "
