@@ -86,10 +86,14 @@ def apply_step(
         if cancelled():
             raise Cancelled("the call was cancelled; the step was not applied")
         new = served.weights.advance(
-            snapshot, stepped.weights, stepped.state, new_version=request.new_version
+            snapshot,
+            stepped.weights,
+            stepped.state,
+            new_version=request.new_version,
+            finite=stepped.finite,
         )
     moved = dict(zip((v.name for v in served.engine.variables), stepped.moved, strict=True))
-    return Step(new, result, _norm(gradient), moved)
+    return Step(new, result, stepped.gradient_norm, moved)
 
 
 def _batch_sum(
@@ -147,14 +151,6 @@ def _divided(
             np.divide(total[v.name], scale, dtype=np.float32).astype(v.dtype, copy=False)
             for v in served.engine.variables
         ]
-
-
-def _norm(gradient: list[np.ndarray]) -> float:
-    """The L2 norm over every variable, accumulated in float64."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return math.sqrt(
-            sum(float(np.dot(g.ravel(), g.ravel().astype(np.float64))) for g in gradient)
-        )
 
 
 def _positive(value: float, field: str) -> float:

@@ -10,8 +10,12 @@ import tensorflow as tf
 
 from pergrad.server.config import ConfigError, parse_optimizer
 from pergrad.server.main import build_registry
-from pergrad.server.training import Trainer, make_optimizer
+from pergrad.server.training import NOT_FROM_A_FLAG, Trainer, keras_optimizers, make_optimizer
 from tests.helpers import loopback_config, tabular_model
+
+
+def test_optimizers_keras_get_does_not_know_are_found_by_class_name() -> None:
+    assert isinstance(make_optimizer(parse_optimizer("lamb")), keras.optimizers.Lamb)
 
 
 def test_settings_are_read_as_numbers_and_booleans() -> None:
@@ -26,6 +30,7 @@ def test_settings_are_read_as_numbers_and_booleans() -> None:
     ("text", "message"),
     [
         ("nadamx", "'nadamx' is not a Keras optimizer"),
+        ("multi_optimizer", "'multi_optimizer' is not a Keras optimizer a flag can configure"),
         ("sgd:beta_1=0.9", r"SGD takes no \['beta_1'\]"),
         ("adam:clipnorm=1.0", r"Adam takes no \['clipnorm'\]"),
         ("sgd:learning_rate=0.1", r"SGD takes no \['learning_rate'\]"),
@@ -79,3 +84,32 @@ def test_each_step_applies_its_own_learning_rate() -> None:
         optimizer.apply(gradient, local)
     for served, expected in zip(weights, local, strict=True):
         np.testing.assert_allclose(served.numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(set(keras_optimizers()) - NOT_FROM_A_FLAG))
+def test_every_keras_optimizer_steps_as_keras_applies_it(name: str) -> None:
+    """The step runs compiled by XLA: two steps of each optimizer Keras has, from the state
+    it builds for the weights, against Keras's own apply on local variables, and what the
+    step reports of them."""
+    model = tabular_model()
+    trainer = Trainer(model, parse_optimizer(name))
+    local = [keras.Variable(v.numpy()) for v in model.trainable_variables]
+    optimizer = make_optimizer(parse_optimizer(name))
+    optimizer.build(local)
+    weights, state = [v.value for v in model.trainable_variables], None
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        gradient = [rng.standard_normal(w.shape).astype(np.float32) for w in weights]
+        before = [w.numpy() for w in weights]
+        with trainer.turn():
+            stepped = trainer.apply(weights, state, gradient, 0.01)
+        weights, state = stepped.weights, stepped.state
+        optimizer.learning_rate = 0.01
+        optimizer.apply(gradient, local)
+        moved = [np.linalg.norm(w.numpy() - b) for w, b in zip(weights, before, strict=True)]
+        np.testing.assert_allclose(stepped.moved, moved, rtol=1e-4, atol=1e-7)
+        norm = np.sqrt(sum(np.square(g.astype(np.float64)).sum() for g in gradient))
+        assert stepped.gradient_norm == pytest.approx(norm, rel=1e-5)
+        assert all(stepped.finite)
+    for served, expected in zip(weights, local, strict=True):
+        np.testing.assert_allclose(served.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
