@@ -89,6 +89,7 @@ bench: install
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
 	$(PY) benchmarks/dp_step.py
+	$(PY) benchmarks/gpt2_dp.py
 	$(PY) benchmarks/recurrent.py
 	$(PY) benchmarks/attacks.py
 
