@@ -65,27 +65,16 @@ MUTANTS = (
     ),
     Mutant(
         "clip_scale_off_by_1e-3",
-        "the clipping scale inside the pass uses max_norm * (1 + 1e-3)",
-        (
-            Edit(
-                "server/engine/in_pass.py",
-                "scale = tf.minimum(1.0, max_norm / tf.maximum(norms, 1e-30)) * rows",
-                "scale = tf.minimum(1.0, max_norm * (1 + 1e-3) / tf.maximum(norms, 1e-30)) * rows",
-            ),
-        ),
-        ("tests/server/engine/test_reductions.py",),
-    ),
-    Mutant(
-        "shared_clip_scale_off_by_1e-3",
-        "the clipping scale of requests sharing a pass uses max_norm * (1 + 1e-3)",
+        "the clipping scale (one formula, in the pass and in shared passes) uses "
+        "max_norm * (1 + 1e-3)",
         (
             Edit(
                 "server/engine/reductions/clipped_sum.py",
-                "scale = np.minimum(1.0, self.max_norm / np.maximum(norms, 1e-30))",
-                "scale = np.minimum(1.0, self.max_norm * (1 + 1e-3) / np.maximum(norms, 1e-30))",
+                "return ops.minimum(1.0, max_norm / ops.maximum(norms, TINY_NORM))",
+                "return ops.minimum(1.0, max_norm * (1 + 1e-3) / ops.maximum(norms, TINY_NORM))",
             ),
         ),
-        ("tests/server/engine/test_group.py",),
+        ("tests/server/engine/test_reductions.py", "tests/server/engine/test_group.py"),
     ),
     Mutant(
         "dense_bias_mean_over_steps",
@@ -150,8 +139,9 @@ MUTANTS = (
         (
             Edit(
                 "server/engine/reductions/clipped_sum.py",
-                "key = stream_key(self._seed, variable.index, NOISE_STREAM)",
-                "key = stream_key(self._seed + 1, variable.index, NOISE_STREAM)",
+                "keys = [stream_key(self._seed, v.index, NOISE_STREAM) for v in self._variables]",
+                "keys = [stream_key(self._seed + 1, v.index, NOISE_STREAM) "
+                "for v in self._variables]",
             ),
         ),
         ("tests/server/engine/test_reductions.py",),
@@ -198,16 +188,122 @@ MUTANTS = (
         (
             Edit(
                 "server/guard.py",
-                "            result = behavior(self._request(iterator, context, method), context)\n"
-                "            return self._responses(result, context, method) "
-                "if response_streaming else result\n",
-                "            return behavior(self._request(iterator, context, method), context)\n",
+                "            if handler.response_streaming:\n"
+                "                return self._responses(result, context, method, on_error)\n",
+                "",
             ),
         ),
         (
             "tests/server/test_hostile_clients.py::"
             "test_results_nobody_reads_are_cancelled_and_free_the_workers",
         ),
+    ),
+    Mutant(
+        "gradient_norm_before_dividing",
+        "a step reports the norm of 64 times the gradient it applied (a 64-example batch's "
+        "sum, before dividing)",
+        (
+            Edit(
+                "server/training.py",
+                "squares = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in gradient]",
+                "squares = [tf.reduce_sum(tf.square(64.0 * tf.cast(g, tf.float32))) "
+                "for g in gradient]",
+            ),
+        ),
+        ("tests/server/test_steps.py", "tests/server/test_training.py"),
+    ),
+    Mutant(
+        "noise_keyed_by_selection_position",
+        "seeded noise is keyed by a variable's position among those selected, not in the model",
+        (
+            Edit(
+                "server/engine/reductions/clipped_sum.py",
+                "keys = [stream_key(self._seed, v.index, NOISE_STREAM) for v in self._variables]",
+                "keys = [stream_key(self._seed, i, NOISE_STREAM) "
+                "for i, v in enumerate(self._variables)]",
+            ),
+        ),
+        ("tests/server/engine/test_reductions.py",),
+    ),
+    Mutant(
+        "step_ignores_its_weights_id_pin",
+        "ApplyStep checks its version pin but not its weights_id",
+        (
+            Edit(
+                "server/steps.py",
+                "served.weights.get(request.model_version, request.weights_id)",
+                "served.weights.get(request.model_version)",
+            ),
+        ),
+        ("tests/server/test_steps.py",),
+    ),
+    Mutant(
+        "split_step_ignores_expected_batch_size",
+        "a step sent in parts (or over replicas) divides by the batch's size, not the "
+        "caller's expected batch size",
+        (
+            Edit(
+                "client/_steps.py",
+                "step.expected_batch_size = step.expected_batch_size or result.batch_size",
+                "step.expected_batch_size = result.batch_size",
+            ),
+        ),
+        ("tests/server/test_steps.py",),
+    ),
+    Mutant(
+        "nan_passes_assert_close",
+        "the tests' comparison takes a NaN for a match (NaN > bound is False)",
+        (Edit("tests/helpers.py", "if not error <= bounds[name]", "if error > bounds[name]"),),
+        ("tests/test_helpers.py",),
+    ),
+    Mutant(
+        "padding_by_zero_examples",
+        "a padded pass grows by zero examples, whose NaN under a masked mean reaches sums",
+        (
+            Edit(
+                "server/engine/compiled.py",
+                "return np.concatenate([array, np.repeat(array[:1], size - count, axis=0)])",
+                "return np.concatenate([array, np.zeros((size - count, *array.shape[1:]), "
+                "array.dtype)])",
+            ),
+        ),
+        ("tests/server/engine/test_zoo.py::test_family_matches_keras_oracle",),
+    ),
+    Mutant(
+        "tied_cross_term_dropped",
+        "a tied embedding's norm leaves out the inner product of its lookup and projection",
+        (
+            Edit(
+                "server/engine/in_pass.py",
+                "return squared_norms(grad.lookup) + squared_norms(grad.projection) + 2 * cross",
+                "return squared_norms(grad.lookup) + squared_norms(grad.projection)",
+            ),
+        ),
+        ("tests/server/engine/test_in_pass.py",),
+    ),
+    Mutant(
+        "lora_factor_b_unscaled",
+        "LoRA's B gradient leaves out alpha / rank",
+        (
+            Edit(
+                "server/engine/rules/lora.py",
+                "u = tf.reshape(tf.matmul(a, flat_a) * _scale(layer), [tf.shape(a)[0], -1, rank])",
+                "u = tf.reshape(tf.matmul(a, flat_a), [tf.shape(a)[0], -1, rank])",
+            ),
+        ),
+        ("tests/server/engine/test_rules.py",),
+    ),
+    Mutant(
+        "fresh_optimizer_state_from_zeros",
+        "a fresh optimizer state is built on zeros, not on the weights it starts from",
+        (
+            Edit(
+                "server/training.py",
+                "optimizer.build([keras.Variable(tf.identity(w)) for w in weights])",
+                "optimizer.build([keras.Variable(tf.zeros_like(w)) for w in weights])",
+            ),
+        ),
+        ("tests/server/test_training.py",),
     ),
 )
 

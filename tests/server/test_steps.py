@@ -137,6 +137,78 @@ def test_step_reports_losses_norms_and_clipped_counts_of_the_batch(serve, model_
     assert step.weights_id == client.model_info(MODEL).weights_id
 
 
+def test_the_reported_gradient_norm_is_the_applied_gradients(serve) -> None:
+    """||(clipped sum + noise) / expected_batch_size||: the clipped_sum of the same batch,
+    seed and weights is the sum the step divides and applies."""
+    client = serve("sgd")
+    x, y = _batch(9)
+    total = client.per_example_gradients(
+        MODEL,
+        x,
+        y,
+        reduction="clipped_sum",
+        max_norm=MAX_NORM,
+        noise_multiplier=NOISE,
+        seed=9,
+        model_version=client.model_info(MODEL).model_version,
+    ).clipped_sum
+    step = _dp_step(client, 9)
+    applied = [(t / np.float32(EXPECTED_B)).astype(np.float64) for t in total.values()]
+    assert step.gradient_norm == pytest.approx(np.sqrt(sum(np.sum(a * a) for a in applied)))
+
+
+def test_a_step_pinned_to_other_weights_by_content_is_refused(serve) -> None:
+    """The compare-and-swap holds by content too: the current version with another
+    weights_id (the same version number after a restart) changes nothing."""
+    client = serve("sgd")
+    before = client.model_info(MODEL)
+    x, y = _batch(12)
+    with pytest.raises(PergradError) as refused:
+        client.step(
+            MODEL,
+            x,
+            y,
+            learning_rate=LR,
+            max_norm=MAX_NORM,
+            model_version=before.model_version,
+            weights_id="0" * 32,
+        )
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "weights_id" in refused.value.message
+    after = client.model_info(MODEL)
+    assert (after.model_version, after.weights_id) == (before.model_version, before.weights_id)
+
+
+def test_a_step_sent_in_parts_divides_by_the_expected_batch_size(model_dir: Path) -> None:
+    """A batch over the server's --max-batch is computed in parts and its sum applied
+    once: divided by the caller's expected batch size, as a step sent whole is."""
+    whole, parts = (
+        start(loopback_config(f"{MODEL}.keras", model_dir=model_dir, max_batch=limit))
+        for limit in (4096, B // 2)
+    )
+    try:
+        after = []
+        for running in (whole, parts):
+            with GradientClient(f"127.0.0.1:{running.port}", timeout=60) as client:
+                _dp_step(client, 13)
+                after.append(client.get_weights(MODEL)[1])
+    finally:
+        whole.stop(0)
+        parts.stop(0)
+    assert_close(after[1], after[0])
+
+
+def test_a_step_reports_how_far_it_moved_each_variable(serve) -> None:
+    client = serve("sgd")
+    _, before = client.get_weights(MODEL)
+    step = _dp_step(client, 11)
+    _, after = client.get_weights(MODEL)
+    moved = {name: float(np.linalg.norm(after[name] - before[name])) for name in before}
+    assert step.update_norms.keys() == moved.keys() and step.unmoved == []
+    for name, distance in moved.items():
+        assert step.update_norms[name] == pytest.approx(distance, rel=1e-5, abs=1e-8)
+
+
 def test_a_moments_step_applies_the_plain_mean_gradient(serve, model_dir) -> None:
     client = serve("sgd")
     _, weights = client.get_weights(MODEL)

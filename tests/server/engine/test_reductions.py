@@ -256,6 +256,24 @@ def test_seeded_noise_is_reproducible_and_the_wire_contracts() -> None:
     assert noisy.tobytes() == (clean + np.float32(2.0 * 0.5) * standard).tobytes()
 
 
+def test_seeded_noise_follows_the_variables_index_in_the_model_whatever_is_selected() -> None:
+    """The proto keys a variable's noise by its position in ModelInfo.variables: selecting
+    only the last variable keeps its stream (not that of position 0 of the selection)."""
+    engine = _engine("mnist_mlp")
+    x, y = _batch(engine)
+    bias = engine.variables[-1]
+    assert bias.index > 0
+    k = spec_random.key(4, bias.index, 2)
+    standard = np.array([spec_random.gaussian(k, n) for n in range(10)], np.float32)
+    noisy, clean = (
+        engine.per_example_gradients(
+            x, y, reduction="clipped_sum", max_norm=0.5, variables=[bias.name], **noise
+        ).clipped_sum[bias.name]
+        for noise in ({"noise_multiplier": 2.0, "seed": 4}, {})
+    )
+    assert noisy.tobytes() == (clean + np.float32(2.0 * 0.5) * standard).tobytes()
+
+
 @pytest.mark.parametrize("seed", [4, None])
 def test_noise_has_the_requested_std(seed: int | None) -> None:
     engine = _engine("mnist_mlp")
