@@ -128,6 +128,21 @@ def _unreached(model: keras.Model, loss: PerExampleLoss, xs: tuple, y: np.ndarra
     return {v.path for v, g in zip(variables, grads, strict=True) if g is None}
 
 
+def _routes(engine: Engine, unreached: set[str]) -> tuple[str, ...]:
+    """Each variable's route (ModelInfo.routes): the plan's, or UNREACHED, logged."""
+    if unreached:
+        _LOGGER.warning(
+            "model %s: the loss never reaches %s: %s",
+            engine.model.name,
+            sorted(unreached),
+            UNREACHED,
+        )
+    return tuple(
+        UNREACHED if v.name in unreached else route
+        for v, route in zip(engine.variables, engine.plan.routes, strict=True)
+    )
+
+
 def _slice_bound(per_example: dict[str, int], slice_bytes: int) -> str:
     """Why a slice holds as many examples as it does: the per-example bytes against the
     bound, and the variable whose per-example tensors are the largest."""
@@ -192,15 +207,8 @@ class Engine:
         )
         xs = tuple(np.zeros((2, *(d or 1 for d in s.shape)), s.dtype) for s in self.input_specs)
         y = np.zeros((2, *(d or 1 for d in self.label_spec.shape)), self.label_spec.dtype)
-        unreached = _unreached(model, self.loss, xs, y)  # also refuses a scalar loss
-        self.routes = tuple(
-            UNREACHED if v.name in unreached else route
-            for v, route in zip(self.variables, self.plan.routes, strict=True)
-        )
-        if unreached:
-            _LOGGER.warning(
-                "model %s: the loss never reaches %s: %s", model.name, sorted(unreached), UNREACHED
-            )
+        # also refuses a scalar loss
+        self.routes = _routes(self, _unreached(model, self.loss, xs, y))
         weights = self.initial_weights()
         per_example = self._tensorflow_bytes(weights, xs, y)
         self.slice_size = max(1, slice_bytes // max(1, sum(per_example.values())))
