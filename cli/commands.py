@@ -30,7 +30,8 @@ def _describe(info: ModelInfo) -> str:
         + (f"  classes {info.num_classes}" if info.num_classes else ""),
         f"  loss    {info.loss}",
         f"  plan    {info.plan_id}  {info.plan}",
-        f"  steps   {info.optimizer or 'not offered by this server'}",
+        f"  steps   {info.optimizer or 'not offered by this server'}"
+        + (f"  (Keras {info.keras_version})" if info.optimizer and info.keras_version else ""),
         f"  lora    {info.lora or 'off: every variable trains'}",
         "  limits  "
         + "  ".join(f"{f.name} {getattr(info.limits, f.name)}" for f in fields(info.limits)),

@@ -197,6 +197,8 @@ class GradientClient:
                 `model_info().weights_id`), whatever their version.
             wire_dtype: ("none") "float16" or "bfloat16" halves the bytes of full
                 gradients; they arrive in that dtype, or as float32 with `upcast=True`.
+                float16 holds magnitudes below 65520: a result past it is refused
+                (FAILED_PRECONDITION), never sent as infinity.
             out: a previous result of the same call shape whose arrays are refilled
                 in place (no fresh allocation of a large result in a loop).
 

@@ -130,6 +130,7 @@ class ModelInfo:
     optimizer: str = ""  # what ApplyStep (`GradientClient.step`) applies updates with
     routes: tuple[str, ...] = ()  # each variable's route: "rule: ...", "generic: ...", ...
     lora: str = ""  # the LoRA the server enabled (--lora); empty: none
+    keras_version: str = ""  # the server's Keras, whose optimizer class `optimizer` names
 
     @property
     def route_of(self) -> dict[str, str]:
@@ -169,6 +170,7 @@ class ModelInfo:
             optimizer=info.optimizer,
             routes=tuple(info.routes),
             lora=info.lora,
+            keras_version=info.keras_version,
         )
 
     @property

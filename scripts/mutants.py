@@ -305,6 +305,87 @@ MUTANTS = (
         ),
         ("tests/server/test_training.py",),
     ),
+    Mutant(
+        "refused_budget_expires_a_second_early",
+        "a caller's refused bytes leave the window a second early: one told to wait 8 s is "
+        "let in after 7",
+        (
+            Edit(
+                "server/refused.py",
+                "while buckets and buckets[0][0] + 1 + self.window_s <= now:",
+                "while buckets and buckets[0][0] + self.window_s <= now:",
+            ),
+        ),
+        ("tests/server/test_refused.py",),
+    ),
+    Mutant(
+        "worker_share_one_call_too_many",
+        "a caller computes one call more than its half of the workers: with 2 workers one "
+        "token holds both and another token's call waits",
+        (
+            Edit(
+                "server/guard.py",
+                "while self._held.get(caller, 0) >= self.limit:",
+                "while self._held.get(caller, 0) > self.limit:",
+            ),
+        ),
+        (
+            "tests/server/test_hostile_clients.py::"
+            "test_one_token_computes_on_half_of_the_workers_and_another_gets_the_rest",
+        ),
+    ),
+    Mutant(
+        "step_not_credited_its_own_request",
+        "a step's own request bytes count against its caller's half of --max-inflight-bytes: "
+        "a lone step is refused where the same batch's gradients call is served",
+        (Edit("server/steps.py", "                held_bytes=held_bytes,\n", ""),),
+        ("tests/server/test_steps.py",),
+    ),
+    Mutant(
+        "request_that_fills_a_pass_left_out",
+        "a request that exactly fills the room left in a shared pass is left out of it: "
+        "32 + 32 examples take two passes of 64 instead of one",
+        (
+            Edit(
+                "server/coalescer.py",
+                "if pending.job.batch.size <= room:",
+                "if pending.job.batch.size < room:",
+            ),
+        ),
+        ("tests/server/test_coalescer.py",),
+    ),
+    Mutant(
+        "float16_overflow_sent_as_infinity",
+        "gradients past float16's range are sent as infinity with status OK",
+        (Edit("server/gradients.py", "    if not np.isfinite(cast).all():\n", "    if False:\n"),),
+        ("tests/server/test_gradients.py",),
+    ),
+    Mutant(
+        "fresh_noise_under_a_fixed_key",
+        "fresh noise's ChaCha20 key is not drawn from the OS for each call: every call's "
+        "noise is the same, and anyone could regenerate it",
+        (
+            Edit(
+                "server/engine/reductions/random_streams.py",
+                "key, nonce = os.urandom(32), bytes(4) + os.urandom(12)",
+                "key, nonce = bytes(32), bytes(16)",
+            ),
+        ),
+        ("tests/server/engine/test_random_streams.py",),
+    ),
+    Mutant(
+        "fresh_noise_uniform_reaches_zero",
+        "fresh noise's u1 is a 2^-53 instead of (a + 1) 2^-53: the smallest word gives "
+        "ln(0), an infinite entry",
+        (
+            Edit(
+                "server/engine/reductions/box_muller.py",
+                "return (top[:, 0] + 1.0) * 2.0**-53, top[:, 1] * 2.0**-53",
+                "return top[:, 0] * 2.0**-53, top[:, 1] * 2.0**-53",
+            ),
+        ),
+        ("tests/server/engine/test_random_streams.py",),
+    ),
 )
 
 

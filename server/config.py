@@ -338,7 +338,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jit-compile",
         default=_env("JIT_COMPILE", d.jit_compile),
-        help="XLA: auto (measured per model), on or off",
+        help="XLA for the model's pass: auto (measured per model), on or off (the noise "
+        "generator is compiled whatever this says: its few fixed shapes, the same bits)",
     )
     parser.add_argument(
         "--optimizer",

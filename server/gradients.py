@@ -40,9 +40,11 @@ from pergrad.wire.declared import declared_batches
 from pergrad.wire.fields import Unreadable
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
+from pergrad.wire.terms import CheckedOptions
 from pergrad.wire.text import quoted
 
 Part = pb.ResultHeader | RawChunk
+_GRADIENTS = "gradients"  # full gradients' output field (`wire.catalogue`)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ class Work:
     @property
     def result_bytes(self) -> int:
         return sum(int(np.prod(e.shape)) * dtype.itemsize for e, dtype in self.outputs)
+
+    @property
+    def wire(self) -> np.dtype | None:
+        """The gradients' dtype on the wire the request asked for (None: their own)."""
+        name = self.asked.options.get("wire_dtype")
+        return dtype_named(name) if name else None
 
 
 def _over_max_batch(what: str, batch: int, max_batch: int) -> RequestTooLarge:
@@ -220,10 +228,14 @@ def _header(work: Work, settings: Settings, outputs: Sequence) -> pb.ResultHeade
 
 
 def _sink(work: Work) -> Sink:
-    """The request's sink; its options were checked as the request was parsed."""
+    """The request's sink; its options were checked as the request was parsed. Full
+    gradients stay in their variables' dtypes there: `_on_wire` casts them to the wire's."""
     asked = work.asked
+    options = asked.options
+    if "wire_dtype" in options:
+        options = CheckedOptions(options.reduction, {**options, "wire_dtype": None})
     return work.served.engine.checked_sink(
-        work.batch.size, asked.reduction, asked.options, variables=asked.variables
+        work.batch.size, asked.reduction, options, variables=asked.variables
     )
 
 
@@ -251,11 +263,34 @@ def _finite(arrays: Sequence[np.ndarray]) -> None:
             )
 
 
+def _on_wire(array: np.ndarray, dtype: np.dtype, variable: str) -> np.ndarray:
+    """A variable's gradients (finite: `_finite` checked them) in the dtype the request
+    asked for on the wire. One that would round to infinity there (FLOAT16 from 65520,
+    BFLOAT16 from (2 - 2^-8) * 2^127) is refused, never sent as infinity."""
+    if array.dtype == dtype:
+        return array
+    with np.errstate(over="ignore"):
+        cast = array.astype(dtype)
+    if not np.isfinite(cast).all():
+        instead = "FLOAT32 or BFLOAT16" if dtype == np.float16 else "FLOAT32"
+        raise FailedPrecondition(
+            f"gradients[{quoted(variable)}]: a value of magnitude "
+            f"{float(np.abs(array).max()):.7g} overflows {dtype.name} on the wire (largest "
+            f"{float(np.finfo(dtype).max):.7g}); ask for wire_dtype {instead}, or scale the "
+            "loss down"
+        )
+    return cast
+
+
 def _whole_result(
     work: Work, settings: Settings, compute: Callable[[], GradientResult]
 ) -> Iterator[Part]:
     tensors = result_arrays(compute())
     _finite([array for _, _, array in tensors])
+    if work.wire is not None:
+        tensors = [
+            (f, v, _on_wire(a, work.wire, v) if f == _GRADIENTS else a) for f, v, a in tensors
+        ]
     header = _header(work, settings, [(f, v, a.shape, a.dtype) for f, v, a in tensors])
     if work.inline and sum(a.nbytes for _, _, a in tensors) <= settings.chunk_bytes:
         header.data = b"".join(wire_bytes(array) for _, _, array in tensors)
@@ -282,15 +317,15 @@ def _full_gradients(
         trainable=work.snapshot.trainable,
         buffer_sets=3,
     )
-    dtypes = [dtype for _, dtype in work.outputs[1:]]
+    gradients = [(expected.variable, dtype) for expected, dtype in work.outputs[1:]]
 
     def casted() -> Iterator[tuple[int, list[np.ndarray]]]:
-        """Each block checked, then cast to the wire dtype (whose rounding and overflow the
-        contract states), in the prefetch thread, beside the sending."""
+        """Each block checked, then cast to the wire dtype (whose rounding the contract
+        states; an overflow is refused), in the prefetch thread, beside the sending."""
         for part in blocks:
             _finite([part.losses, *part.gradients])
-            gradients = zip(part.gradients, dtypes, strict=True)
-            yield part.start, [part.losses, *(g.astype(d, copy=False) for g, d in gradients)]
+            cast = [_on_wire(g, d, v) for g, (v, d) in zip(part.gradients, gradients, strict=True)]
+            yield part.start, [part.losses, *cast]
 
     for first, arrays in prefetched(casted(), stop=cancelled):
         for index, array in enumerate(arrays):

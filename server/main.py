@@ -223,7 +223,9 @@ def _start_grpc(
     open_server = own or server
     health_servicer = HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, open_server)
-    add_reflection([SERVICE_NAME, HEALTH_SERVICE], open_server)
+    # Reflection lists what its port serves: the service too only where they share one.
+    served = [HEALTH_SERVICE] if own is not None else [SERVICE_NAME, HEALTH_SERVICE]
+    add_reflection(served, open_server)
     try:
         port = _add_port(server, config, config.port)
         open_port = port if own is None else _add_port(own, config, config.open_services_port or 0)

@@ -29,6 +29,7 @@ from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
+from pergrad.server.training import KERAS_VERSION
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -268,6 +269,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             optimizer=served.trainer.description,
             routes=engine.routes,
             lora=served.lora,
+            keras_version=KERAS_VERSION,
         )
 
     @status

@@ -56,6 +56,10 @@ def keras_optimizers() -> dict[str, type]:
     }
 
 
+# The Keras whose optimizer classes a step applies (ModelInfo.keras_version): their
+# arithmetic (Adam's bias correction and epsilon, for one) is that version's.
+KERAS_VERSION = keras.__version__
+
 # Optimizers a flag cannot configure: a map of optimizers, or a scaling wrapper.
 NOT_FROM_A_FLAG = frozenset({"multioptimizer", "lossscaleoptimizer"})
 

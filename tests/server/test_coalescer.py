@@ -156,6 +156,31 @@ def test_requests_that_fill_a_pass_run_on_their_own(coalescing, size: int) -> No
     assert _passes(coalescing) == before
 
 
+def test_requests_that_together_fill_a_pass_share_it() -> None:
+    """Two callers' requests of half a pass each: the first leads a pass and waits for
+    more within --batch-window-ms (30 s, half the client's timeout: it waits only until
+    its room is filled, however late the second comes on a loaded machine); the second
+    fills it exactly, and both go in that one pass (before: the request that filled the
+    room was left out, and a second pass ran, after its own window: the same results at
+    half the throughput)."""
+    half = GRANULE // 2
+    config = loopback_config(MODEL, batch_window_ms=30_000.0, max_coalesced_batch=GRANULE)
+    running = start(config)
+    batches = [batch_for((784,), 10, half, seed=seed) for seed in (1, 2)]
+    try:
+        with _client(running) as first, _client(running) as second:
+            results = _together(
+                [
+                    lambda c=c, b=b: c.per_example_gradients(MODEL, *b, reduction="norms")
+                    for c, b in zip((first, second), batches, strict=True)
+                ]
+            )
+        assert [r.norms.shape for r in results] == [(half,), (half,)]
+        assert _passes(running) == (1.0, 2.0)  # one shared pass, holding both requests
+    finally:
+        running.stop(0)
+
+
 def test_zero_max_coalesced_batch_turns_coalescing_off() -> None:
     running = start(loopback_config(MODEL, max_coalesced_batch=0))
     try:

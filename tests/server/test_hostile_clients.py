@@ -1,6 +1,6 @@
 """Careless and hostile clients against a live server, one test per way it once gave way:
 idle streams, calls that never send their one request (with and without a token), unbounded
-queues, unpriced outputs, pinned memory, idle HTTP connections,
+queues, one token's calls on every worker, unpriced outputs, pinned memory, idle HTTP connections,
 public DP noise, wedged versions, out-of-range ids, NaN weights, absurd shapes, cancels
 counted as errors."""
 
@@ -195,7 +195,7 @@ def test_open_services_on_a_port_of_their_own_are_refused_large_requests_unread(
             asked = reflection_pb2.ServerReflectionRequest(list_services="")
             (reply,) = reflection.ServerReflectionInfo(iter([asked]), timeout=10)
             listed = {s.name for s in reply.list_services_response.service}
-            assert "pergrad.v1.GradientService" in listed
+            assert "grpc.health.v1.Health" in listed
             assert _list_models(service) == ["mnist_mlp"]
     finally:
         running.stop(0)
@@ -1227,6 +1227,66 @@ def test_requests_queued_for_a_worker_are_priced_per_caller(tmp_path: Path) -> N
         running.stop(0)
     assert all("RESOURCE_EXHAUSTED" in r and "half of --max-inflight-bytes" in r for r in refused)
     assert sorted(results) == sorted([*refused, "OK", "OK"])
+
+
+class Marks(Gate):
+    """A gate that notes whose pass entered it: the first input value of its batch."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.marks: list[float] = []
+
+    def pause(self, batch: tf.Tensor) -> None:
+        self.marks.append(float(batch[0, 0]))
+        super().pause(batch)
+
+
+def test_one_token_computes_on_half_of_the_workers_and_another_gets_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Two workers, every pass held at a gate that notes whose it is (a token's inputs
+    hold its mark): a read-only token's first call computes; its second, read by the
+    server, waits for the token's share (one of the two workers), so the other token's
+    call takes the free worker and its pass comes next (before: the first token's second
+    call took it too, and the other token waited for both)."""
+    reader, owner = 1.0, 2.0
+    config = loopback_config(
+        "mnist_mlp", auth_token_file=_tokens(tmp_path), workers=2, max_coalesced_batch=0
+    )
+    gate = Marks(name="gate")
+    running = start(config, ModelRegistry([_slow_model(pause=gate)]))
+    y = np.zeros(2, np.int64)
+    readers = [GradientClient(_target(running), token="reader", timeout=60) for _ in range(2)]
+    honest = GradientClient(_target(running), token="secret", timeout=60)
+    calls = [(readers[0], reader), (readers[1], reader), (honest, owner)]
+
+    def call(client: GradientClient, mark: float) -> np.ndarray:
+        x = np.full((2, 4), mark, np.float32)
+        return client.per_example_gradients("slow", x, y, reduction="norms").norms
+
+    method = "ComputePerExampleGradients"
+    try:
+        for client, mark in calls:
+            call(client, mark)  # warm, gate open
+        exposition = scrape(running.metrics_port)
+        received = int(
+            sample_value(exposition, "grpc_server_msg_received_total", grpc_method=method)
+        )
+        with ThreadPoolExecutor(3) as pool, gate.closed():
+            gate.marks.clear()
+            done = [pool.submit(call, *calls[0])]
+            assert gate.entered.acquire(timeout=60), "the reader's first pass never began"
+            done.append(pool.submit(call, *calls[1]))
+            _until(running.metrics_port, "grpc_server_msg_received_total", method, received + 2)
+            done.append(pool.submit(call, *calls[2]))
+            assert gate.entered.acquire(timeout=60), "no second pass began"
+            passes = list(gate.marks)
+        assert [f.result().shape for f in done] == [(2,)] * 3
+    finally:
+        for client in [*readers, honest]:
+            client.close()
+        running.stop(0)
+    assert passes == [reader, owner]
 
 
 def _over_max_batch_unparseable(request_id: int = 0) -> bytes:

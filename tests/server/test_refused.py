@@ -38,6 +38,23 @@ def test_a_caller_over_its_budget_waits_until_enough_has_aged_out(clock: Clock) 
     assert refused.wait_s("a") == 0
 
 
+def test_a_caller_told_to_wait_is_refused_for_exactly_that_long(clock: Clock) -> None:
+    """The wait a refusal names is the truth, second by second: a caller told to wait 8 s
+    is still over its budget 7.9 s later, and within it at 8 s (before: its oldest
+    second expired a second early, letting it in after 7)."""
+    refused = RefusedBytes(100, 10.0, clock=clock)
+    refused.add("a", 60)
+    clock.now += 3
+    refused.add("a", 60)
+    told, start = refused.wait_s("a"), clock.now
+    assert told == pytest.approx(8.0)
+    for waited in (1.0, 6.5, 7.0, 7.9):
+        clock.now = start + waited
+        assert refused.wait_s("a") == pytest.approx(told - waited)
+    clock.now = start + told
+    assert refused.wait_s("a") == 0
+
+
 def test_callers_are_counted_apart(clock: Clock) -> None:
     refused = RefusedBytes(100, 10.0, clock=clock)
     refused.add("a", 500)

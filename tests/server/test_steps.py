@@ -198,6 +198,27 @@ def test_a_step_sent_in_parts_divides_by_the_expected_batch_size(model_dir: Path
     assert_close(after[1], after[0])
 
 
+def test_a_lone_step_is_admitted_as_the_same_batchs_gradients_call_is() -> None:
+    """--max-inflight-bytes 1000000, a caller's calls holding half of it at most: 64
+    examples of mnist_mlp make a request of 201 kB and a clipped sum of 407 kB, which a
+    lone call may hold together, its own request not counted as another call's. The
+    gradients call and the step of that batch are both served (before: the step's own
+    request was counted against its caller's half, and the step alone was refused)."""
+    running = start(loopback_config("mnist_mlp", max_inflight_bytes=1_000_000))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 784)).astype(np.float32), rng.integers(0, 10, 64)
+    try:
+        with GradientClient(f"127.0.0.1:{running.port}", timeout=60) as client:
+            total = client.per_example_gradients(
+                "mnist_mlp", x, y, reduction="clipped_sum", max_norm=MAX_NORM
+            )
+            step = client.step("mnist_mlp", x, y, learning_rate=LR, max_norm=MAX_NORM)
+    finally:
+        running.stop(0)
+    assert sum(a.nbytes for a in total.clipped_sum.values()) > 400_000
+    assert step.model_version == 2 and step.num_clipped == total.num_clipped
+
+
 def test_a_step_reports_how_far_it_moved_each_variable(serve) -> None:
     client = serve("sgd")
     _, before = client.get_weights(MODEL)
@@ -306,6 +327,12 @@ def test_model_info_names_the_optimizer_and_its_settings(serve) -> None:
     info = serve("adam:beta_1=0.8,amsgrad=true").model_info(MODEL)
     assert info.optimizer.startswith("Adam(") and "beta_1=0.8" in info.optimizer
     assert "amsgrad=True" in info.optimizer
+
+
+def test_model_info_names_the_keras_whose_optimizer_steps_apply(serve) -> None:
+    """Adam's arithmetic is Keras's choice (bias correction, epsilon): ModelInfo names the
+    Keras version the optimizer class is of, the one the server runs."""
+    assert serve("adam").model_info(MODEL).keras_version == keras.__version__
 
 
 def test_weights_read_during_steps_are_always_a_whole_step(serve) -> None:

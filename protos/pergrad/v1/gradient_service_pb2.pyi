@@ -47,7 +47,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs", "limits", "plan", "plan_id", "loss_dtype", "optimizer", "routes", "lora")
+    __slots__ = ("name", "model_version", "variables", "input", "labels", "loss", "num_classes", "server", "weights_id", "inputs", "limits", "plan", "plan_id", "loss_dtype", "optimizer", "routes", "lora", "keras_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ModelInfo(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    KERAS_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_version: int
     variables: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.TensorSpec]
@@ -82,7 +83,8 @@ class ModelInfo(_message.Message):
     optimizer: str
     routes: _containers.RepeatedScalarFieldContainer[str]
     lora: str
-    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., plan: _Optional[str] = ..., plan_id: _Optional[str] = ..., loss_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., optimizer: _Optional[str] = ..., routes: _Optional[_Iterable[str]] = ..., lora: _Optional[str] = ...) -> None: ...
+    keras_version: str
+    def __init__(self, name: _Optional[str] = ..., model_version: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., input: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.TensorSpec, _Mapping]] = ..., loss: _Optional[str] = ..., num_classes: _Optional[int] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_tensor_pb2.TensorSpec, _Mapping]]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., plan: _Optional[str] = ..., plan_id: _Optional[str] = ..., loss_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., optimizer: _Optional[str] = ..., routes: _Optional[_Iterable[str]] = ..., lora: _Optional[str] = ..., keras_version: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
     __slots__ = ("max_batch", "max_request_bytes", "max_inflight_examples", "max_inflight_bytes", "max_coalesced_batch")

@@ -134,8 +134,11 @@ class GradientServiceServicer:
         a new version, as SetWeights would make them. All or nothing: a refused or failed
         step, or one cancelled before it commits, changes neither the weights nor the
         optimizer's state (a cancel that arrives as it commits may find it applied: pin
-        model_version, so that a retry cannot apply it twice). A step from a batch sends
-        neither the weights nor the gradient over the wire. A model's steps take turns.
+        model_version, so that a retry cannot apply it twice). A step whose update would
+        make a weight or the optimizer's state NaN or infinite (the gradient, or
+        learning_rate times it, overflows float32) is FAILED_PRECONDITION and changes
+        nothing; so is one whose batch's result holds NaN or infinity. A step from a batch
+        sends neither the weights nor the gradient over the wire. A model's steps take turns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,13 +11,12 @@ without holding the rest:
     Gaussian entries 2k, 2k+1: Box-Muller on the two 32-bit halves of bits(k), in float64,
     each rounded once to float32
 
-Measured here (numpy, 4M entries): Rademacher 0.3 ns per entry, Gaussian ~10 ns, against
-numpy's own PCG64 integers 2.1 ns and standard_normal 7.8 ns; mnist_mlp's 101,770 noise
-entries on 2 cores, 13 ns each (26 with libm's cos and sin, before `sincos`). Box-Muller
-on 32-bit uniforms bounds |entry| by sqrt(-2 ln 2^-33) = 6.8 (a tail mass of 1e-11 is
-cut).
-Fresh noise (no seed) runs the same Gaussian rule on bits from the operating system's
-cryptographically secure source instead of `bits`.
+Rademacher entries are made here in numpy (0.3 ns an entry); Gaussian ones by the rule
+compiled in `box_muller`. Box-Muller on 32-bit uniforms bounds |entry| by
+sqrt(-2 ln 2^-33) = 6.8 (a tail mass of 1e-11 is cut).
+Fresh noise (no seed) takes Box-Muller's uniforms from secure random words
+(`secure_bits`), 53 bits each instead of 32 (`box_muller`): it is what DP-SGD runs on,
+and owes no client a stream to regenerate.
 """
 
 from __future__ import annotations
@@ -26,20 +25,19 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-from pergrad.server.engine.cores import on_cores
-from pergrad.server.engine.reductions.sincos import cos_sin
+from pergrad.server.engine.reductions import box_muller
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _U64 = np.uint64
-# Streams this long or longer fill on every core (below, handing over costs more).
-PARALLEL_ENTRIES = 1 << 15
-# Words turned into Gaussians at a time: Box-Muller's float64 temporaries take ~60 bytes
-# an entry, so a model's noise made whole (23.6M entries: 1.35 GB), or one long stream,
-# is made by blocks.
-BLOCK_WORDS = 1 << 19
+# Gaussian streams this long or longer are counted on the device, each alone; shorter
+# ones are made together from their counters (below, a compiled call costs more).
+ALONE_ENTRIES = 1 << 15
+# cryptography writes a stream cipher's output a 64-byte block past its input's end.
+_CHACHA_SLACK_WORDS = 8
 
 
 def _mix_int(x: int) -> int:
@@ -71,29 +69,6 @@ def _bits(key: int, start: int, count: int) -> np.ndarray:
     return _mix(counters)
 
 
-def _box_muller(bits: np.ndarray) -> np.ndarray:
-    """Two standard Gaussians from each 64-bit word: [2 * len(bits)] float32, computed in
-    float64 in the contract's order and rounded once. numpy's float64 ln is within an ulp
-    and `cos_sin` within 2.2 (0.5% of its results an ulp off libm's), as the contract
-    allows: an entry then differs from a libm's only when it lies within that ulp of a
-    float32 rounding boundary (none in 134M entries sampled)."""
-    radius = (bits >> _U64(32)).astype(np.float64)
-    radius += 0.5
-    radius *= 2.0**-32
-    np.log(radius, out=radius)
-    radius *= -2.0
-    np.sqrt(radius, out=radius)
-    angle = (bits & _U64(0xFFFFFFFF)).astype(np.float64)
-    angle += 0.5
-    angle *= 2.0**-32
-    angle *= 2.0 * np.pi
-    cos, sin = cos_sin(angle)
-    pairs = np.empty((len(bits), 2), np.float32)
-    pairs[:, 0] = radius * cos
-    pairs[:, 1] = radius * sin
-    return pairs.reshape(-1)
-
-
 def rademacher(key: int, start: int, count: int) -> np.ndarray:
     """Entries [start, start + count) of the Rademacher stream `key`, float32 +-1."""
     first = start // 64
@@ -105,24 +80,11 @@ def rademacher(key: int, start: int, count: int) -> np.ndarray:
 
 def gaussian(key: int, start: int, count: int) -> np.ndarray:
     """Entries [start, start + count) of the Gaussian stream `key`, float32: each entry a
-    function of its index alone, so parts of the range fill on every core at once, each
-    by blocks (a projection's cached matrix is one stream of up to millions of entries)."""
-    out = np.empty(count, np.float32)
-
-    def fill(part: slice) -> None:
-        for block in _blocks(part, 2 * BLOCK_WORDS):
-            low = start + block.start
-            first = low // 2
-            words = _bits(key, first, (start + block.stop + 1) // 2 - first)
-            out[block] = _box_muller(words)[low - 2 * first : low - 2 * first + len(out[block])]
-
-    on_cores(count, fill, serial=count < PARALLEL_ENTRIES, align=2)
-    return out
-
-
-def _blocks(part: slice, size: int) -> list[slice]:
-    """`part` in consecutive slices of at most `size` (even: pairs stay whole)."""
-    return [slice(lo, min(lo + size, part.stop)) for lo in range(part.start, part.stop, size)]
+    function of its index alone (a projection's cached matrix is one stream of up to
+    millions of entries, made by rows)."""
+    first = start // 2
+    pairs = box_muller.counted(key, first, (start + count + 1) // 2 - first)
+    return pairs[start - 2 * first : start - 2 * first + count]
 
 
 def _slots(counts: Sequence[int]) -> tuple[list[int], int]:
@@ -135,23 +97,33 @@ def _slots(counts: Sequence[int]) -> tuple[list[int], int]:
     return starts, end
 
 
-def gaussians(keys: Sequence[int], counts: Sequence[int]) -> list[np.ndarray]:
-    """Entries [0, count) of each Gaussian stream `key` (a model's noise, a stream per
-    variable), made as one array: one round of numpy calls for all the streams, where a
-    stream made alone costs ~80 us of them however short it is (most biases)."""
+def _together(keys: Sequence[int], counts: Sequence[int]) -> list[np.ndarray]:
+    """Entries [0, count) of short streams, from one array of their keyed counters: one
+    compiled call for them all, where each alone would pay one (most biases)."""
     starts, total = _slots(counts)
     words = [(count + 1) // 2 for count in counts]
     counters = np.arange(total // 2, dtype=np.uint64)
     counters -= np.repeat(np.array(starts, dtype=np.uint64) // _U64(2), words)
     counters ^= np.repeat(np.array(keys, dtype=np.uint64), words)
-    out = np.empty(total, np.float32)
-
-    def fill(part: slice) -> None:
-        for block in _blocks(part, BLOCK_WORDS):
-            out[2 * block.start : 2 * block.stop] = _box_muller(_mix(counters[block]))
-
-    on_cores(len(counters), fill, serial=total < PARALLEL_ENTRIES)
+    out = box_muller.keyed(counters)
     return [out[start : start + count] for start, count in zip(starts, counts, strict=True)]
+
+
+def gaussians(keys: Sequence[int], counts: Sequence[int]) -> list[np.ndarray]:
+    """Entries [0, count) of each Gaussian stream `key` (a model's noise, a stream per
+    variable): streams of ALONE_ENTRIES or more each counted on the device, the others
+    together."""
+    alone = [count >= ALONE_ENTRIES for count in counts]
+    short = iter(
+        _together(
+            [k for k, a in zip(keys, alone, strict=True) if not a],
+            [c for c, a in zip(counts, alone, strict=True) if not a],
+        )
+    )
+    return [
+        gaussian(key, 0, count) if a else next(short)
+        for key, count, a in zip(keys, counts, alone, strict=True)
+    ]
 
 
 KINDS = {"rademacher": rademacher, "gaussian": gaussian}
@@ -167,18 +139,25 @@ def matrix_rows(
     return entries.reshape(len(rows), columns)
 
 
+def secure_bits(words: int) -> np.ndarray:
+    """`words` random 64-bit words: ChaCha20's keystream under a key and nonce drawn from
+    the operating system's secure source for this call alone (the construction the
+    kernel's own generator uses, at ~0.3 ns a byte here against getrandom's 3.3)."""
+    key, nonce = os.urandom(32), bytes(4) + os.urandom(12)  # block counter from 0
+    out = np.empty(words + _CHACHA_SLACK_WORDS, np.uint64)
+    Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update_into(
+        bytes(8 * words), memoryview(out).cast("B")
+    )
+    return out[:words]
+
+
 def secure_gaussians(counts: Sequence[int]) -> list[np.ndarray]:
-    """Standard Gaussians from the operating system's cryptographically secure source, a
-    vector of each count, made as one array: each part's bytes drawn on its own core (the
-    kernel makes them at ~3 ns a byte here, 1.2 ms for mnist_mlp's noise, with the GIL
-    released)."""
+    """Standard Gaussians from secure random bits (`secure_bits`, a word per entry), a
+    vector of each count, made as one array a block at a time: each block's words drawn
+    as it is made, so they stay in cache (a model's at once took 116 MB for 14.5M)."""
     starts, total = _slots(counts)
     out = np.empty(total, np.float32)
-
-    def fill(part: slice) -> None:
-        for block in _blocks(part, 2 * BLOCK_WORDS):
-            words = np.frombuffer(os.urandom(4 * len(out[block])), dtype="<u8")
-            out[block] = _box_muller(words.astype(np.uint64, copy=False))
-
-    on_cores(total, fill, serial=total < PARALLEL_ENTRIES, align=2)
+    for lo in range(0, total // 2, box_muller.BLOCK_WORDS):
+        pairs = min(box_muller.BLOCK_WORDS, total // 2 - lo)
+        box_muller.secure(secure_bits(2 * pairs).reshape(pairs, 2), out[2 * lo : 2 * (lo + pairs)])
     return [out[start : start + count] for start, count in zip(starts, counts, strict=True)]

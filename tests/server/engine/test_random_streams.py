@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pergrad.server.engine.reductions import random_streams
+from pergrad.server.engine.reductions import box_muller, random_streams
 from pergrad.server.engine.reductions.project import MatrixCache
 from tests import spec_random
 from tests.conftest import ROOT
@@ -44,10 +44,10 @@ def test_any_block_equals_the_same_slice_of_the_whole(kind: str, start: int, cou
 
 
 @pytest.mark.parametrize("start", [0, 1])
-def test_a_range_made_on_every_core_equals_its_blocks_made_alone(start: int) -> None:
-    count = 2 * random_streams.PARALLEL_ENTRIES + 3
+def test_a_range_longer_than_a_block_equals_its_blocks_made_alone(start: int) -> None:
+    count = 2 * box_muller.BLOCK_WORDS + 2 * box_muller.SMALLEST_WORDS + 3
     whole = random_streams.gaussian(777, start, count)
-    step = random_streams.PARALLEL_ENTRIES // 3  # each block made serially
+    step = 2 * box_muller.BLOCK_WORDS // 3  # each block's words start mid-block
     blocks = [
         random_streams.gaussian(777, start + s, min(step, count - s)) for s in range(0, count, step)
     ]
@@ -69,7 +69,7 @@ def test_gaussian_entries_are_standard_normal() -> None:
 
 @pytest.mark.parametrize(
     "counts",
-    [[7, 0, 1, 2 * random_streams.PARALLEL_ENTRIES + 3, 128, 5], [3], []],
+    [[7, 0, 1, random_streams.ALONE_ENTRIES + 3, 128, 5], [3], []],
     ids=["a model's variables", "one", "none"],
 )
 def test_many_streams_made_together_are_each_stream_made_alone(counts: list[int]) -> None:
@@ -82,15 +82,24 @@ def test_many_streams_made_together_are_each_stream_made_alone(counts: list[int]
 
 
 def test_streams_made_by_small_blocks_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    keys, counts = [3, 4, 5], [11, 2 * random_streams.PARALLEL_ENTRIES + 1, 6]
+    keys, counts = [3, 4, 5], [11, random_streams.ALONE_ENTRIES + 1, 6]
     whole = random_streams.gaussians(keys, counts)
-    one = random_streams.gaussian(7, 13, 2 * random_streams.PARALLEL_ENTRIES + 9)
-    monkeypatch.setattr(random_streams, "BLOCK_WORDS", 5)
+    one = random_streams.gaussian(7, 13, 3 * box_muller.SMALLEST_WORDS + 9)
+    monkeypatch.setattr(box_muller, "BLOCK_WORDS", box_muller.SMALLEST_WORDS)
     assert [a.tobytes() for a in random_streams.gaussians(keys, counts)] == [
         a.tobytes() for a in whole
     ]
     assert random_streams.gaussian(7, 13, len(one)).tobytes() == one.tobytes()
     assert [len(a) for a in random_streams.secure_gaussians(counts)] == counts
+
+
+def test_secure_bits_are_fresh_and_fill_every_word() -> None:
+    first, second = random_streams.secure_bits(1 << 12), random_streams.secure_bits(1 << 12)
+    assert first.dtype == np.uint64 and len(first) == 1 << 12
+    assert not np.array_equal(first, second)
+    # Each bit set in about half the words: 4096 words, 6 sigma is 192 away from 2048.
+    ones = np.unpackbits(first.view(np.uint8)).reshape(-1, 64).sum(axis=0, dtype=np.int64)
+    assert np.all(np.abs(ones - 2048) < 192)
 
 
 def test_secure_gaussians_are_standard_normal_and_fresh() -> None:
@@ -99,6 +108,15 @@ def test_secure_gaussians_are_standard_normal_and_fresh() -> None:
     assert (second.shape, third.shape) == ((4,), (3,))
     assert not np.array_equal(first[:4], second)
     assert not np.array_equal(second, random_streams.secure_gaussians([4])[0])
+
+
+def test_fresh_noise_reaches_the_tails_of_53_bit_uniforms() -> None:
+    """The smallest pair of words gives u1 = 2^-53 and t = 0, the largest u1 = 1: entries
+    (sqrt(-2 ln 2^-53), 0) and (0, 0), past the contract's 32-bit bound of 6.8."""
+    extremes = np.array([[0, 0], [2**64 - 1, 0]], np.uint64)
+    entries = box_muller.secure(extremes)
+    assert entries[0] == np.float32(np.sqrt(-2 * np.log(2.0**-53))) and entries[0] > 8.5
+    assert entries[1:].tolist() == [0.0, 0.0, 0.0]
 
 
 def test_cache_stays_within_its_bytes_whatever_the_seeds() -> None:

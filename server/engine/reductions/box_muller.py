@@ -1,0 +1,153 @@
+"""The wire contract's GAUSSIAN rule (`random_streams`) compiled by XLA into one loop:
+splitmix64, then Box-Muller in float64 on each word's two 32-bit halves, rounded once to
+float32; and fresh secure noise, by Box-Muller on finer uniforms (`_fine`). Both with
+`ln` and `cos_sin` made of products, sums and table reads, so the loop vectorises and
+runs on every core TensorFlow has.
+
+numpy ran the same rule as ~30 whole-array passes; here a model's 14.5M seeded entries
+take 118 ms on 2 cores where numpy's took 215, and match a numpy rule with libm's ln,
+cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~8 ns an entry, 20x
+writing the floats: XLA vectorises `ln`'s division and cases and `cos_sin`'s table reads
+poorly (1.7 and 2.4 ms of a 4.1 ms block of 2^18 words, against 0.4 for splitmix64).
+
+Words are made a block at a time, at one of a few fixed sizes (XLA compiles each shape
+once): a stream longer than a block in whole blocks counted on the device, shorter
+streams together from their counters, fresh noise from the secure words given.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from pergrad.server.engine.reductions.ln import ln
+from pergrad.server.engine.reductions.sincos import cos_sin
+
+# splitmix64's constants (the contract's mix).
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+# Words a compiled call turns into Gaussians at most, and at least (a shorter call is
+# padded): sizes in between are powers of 4, so at most 5 shapes compile per kind.
+BLOCK_WORDS = 1 << 18
+SMALLEST_WORDS = 1 << 10
+
+
+def _u64(value: int) -> tf.Tensor:
+    return tf.constant(value, tf.uint64)
+
+
+def _mix(z: tf.Tensor) -> tf.Tensor:
+    """splitmix64's finalizer, modulo 2^64."""
+    z = z + _u64(_GOLDEN)
+    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, _u64(30))) * _u64(_M1)
+    z = tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, _u64(27))) * _u64(_M2)
+    return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, _u64(31)))
+
+
+def _pairs(u1: tf.Tensor, u2: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Box-Muller's two entries, r cos t and r sin t, from uniforms u1 in (0, 1] and u2
+    in [0, 1), float64, each rounded once to float32."""
+    radius = tf.sqrt(-2.0 * ln(u1))
+    cos, sin = cos_sin(u2 * (2.0 * np.pi))
+    return tf.cast(radius * cos, tf.float32), tf.cast(radius * sin, tf.float32)
+
+
+def _halves(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The contract's uniforms: (hi + 0.5) 2^-32 and (lo + 0.5) 2^-32 of each word."""
+    high = tf.cast(tf.bitwise.right_shift(words, _u64(32)), tf.float64)
+    low = tf.cast(tf.bitwise.bitwise_and(words, _u64(0xFFFFFFFF)), tf.float64)
+    return (high + 0.5) * 2.0**-32, (low + 0.5) * 2.0**-32
+
+
+def _fine(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Fresh noise's uniforms, 53 bits each from a pair of words: u1 = (a + 1) 2^-53 in
+    (0, 1], so |entry| <= sqrt(-2 ln 2^-53) = 8.57 (a tail mass of 1e-17 cut, where the
+    contract's 32-bit u1 cuts 1e-11 at 6.8), and u2 = b 2^-53."""
+    top = tf.cast(tf.bitwise.right_shift(words, _u64(11)), tf.float64)
+    return (top[:, 0] + 1.0) * 2.0**-53, top[:, 1] * 2.0**-53
+
+
+def _counted(first: tf.Tensor, key: tf.Tensor, size: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """Words first .. first + size - 1 of the stream `key`: bits(k) = mix(key ^ k)."""
+    counters = tf.cast(tf.range(size, dtype=tf.int64), tf.uint64) + first
+    return _pairs(*_halves(_mix(tf.bitwise.bitwise_xor(counters, key))))
+
+
+def _keyed(keyed_counters: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    return _pairs(*_halves(_mix(keyed_counters)))
+
+
+def _secure(word_pairs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    return _pairs(*_fine(word_pairs))
+
+
+_SCALAR = tf.TensorSpec([], tf.uint64)
+# Each kernel's signature at a compiled size: a stream's block is counted on the device
+# from (first, key); the others take their words.
+_SIGNATURES = {
+    _counted: lambda size: (_SCALAR, _SCALAR, size),
+    _keyed: lambda size: (tf.TensorSpec([size], tf.uint64),),
+    _secure: lambda size: (tf.TensorSpec([size, 2], tf.uint64),),
+}
+
+
+@functools.cache
+def _compiled(kernel: Callable[..., Any], size: int) -> Callable[..., tuple[tf.Tensor, tf.Tensor]]:
+    """`kernel` compiled by XLA for `size` words, called without tf.function's dispatch
+    (~0.2 ms a call here, as much as a small block's work)."""
+    function = tf.function(kernel, jit_compile=True)
+    return function.get_concrete_function(*_SIGNATURES[kernel](size))
+
+
+def _size(words: int) -> int:
+    """The compiled size that holds `words` (<= BLOCK_WORDS): a power of 4 from SMALLEST."""
+    size = SMALLEST_WORDS
+    while size < words:
+        size *= 4
+    return min(size, BLOCK_WORDS)
+
+
+def _into(out: np.ndarray, lo: int, pairs: tuple[tf.Tensor, tf.Tensor], count: int) -> None:
+    """Words lo .. lo + count - 1's entries, interleaved, into `out` (entries 2 lo ...)."""
+    out[2 * lo : 2 * (lo + count) : 2] = pairs[0].numpy()[:count]
+    out[2 * lo + 1 : 2 * (lo + count) : 2] = pairs[1].numpy()[:count]
+
+
+def counted(key: int, first: int, words: int) -> np.ndarray:
+    """Entries 2 first .. 2 (first + words) - 1 of the Gaussian stream `key`, float32."""
+    out = np.empty(2 * words, np.float32)
+    for lo in range(0, words, BLOCK_WORDS):
+        count = min(BLOCK_WORDS, words - lo)
+        start = _u64((first + lo) % (1 << 64))
+        _into(out, lo, _compiled(_counted, _size(count))(start, _u64(key)), count)
+    return out
+
+
+def _blockwise(
+    kernel: Callable[[tf.Tensor], Any], words: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """`kernel`'s two entries for each row of `words` (uint64), a block of rows at a time,
+    into `out` (a new array if None)."""
+    out = np.empty(2 * len(words), np.float32) if out is None else out
+    for lo in range(0, len(words), BLOCK_WORDS):
+        block = words[lo : lo + BLOCK_WORDS]
+        count, size = len(block), _size(len(block))
+        if size > count:  # the last block, padded to a compiled size
+            padding = np.zeros((size - count, *words.shape[1:]), np.uint64)
+            block = np.concatenate([block, padding])
+        _into(out, lo, _compiled(kernel, size)(tf.constant(block)), count)
+    return out
+
+
+def keyed(keyed_counters: np.ndarray) -> np.ndarray:
+    """Two entries for each `key ^ k` given (uint64): those of word k of stream `key`."""
+    return _blockwise(_keyed, keyed_counters)
+
+
+def secure(word_pairs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Two Gaussians for each pair of secure random 64-bit words ([n, 2] uint64), from
+    53-bit uniforms (`_fine`), into `out` if given."""
+    return _blockwise(_secure, word_pairs, out)
