@@ -53,7 +53,7 @@ from pergrad.client import GradientClient
 from pergrad.client._call import Call
 from pergrad.client._receive import read_results
 from pergrad.client.local import LocalServer
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
 from pergrad.server.coalescer import Coalescer, granule_for
 from pergrad.server.config import Config
 from pergrad.server.engine.cores import one_blas_thread

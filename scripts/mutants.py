@@ -175,7 +175,7 @@ MUTANTS = (
         "a call that ends early (cancelled, failed) keeps its admitted examples and bytes",
         (
             Edit(
-                "server/admission.py",
+                "server/admission/inflight.py",
                 "        try:\n            yield\n        finally:\n",
                 "        yield\n        if True:\n",
             ),
@@ -311,12 +311,12 @@ MUTANTS = (
         "let in after 7",
         (
             Edit(
-                "server/refused.py",
+                "server/admission/refused.py",
                 "while buckets and buckets[0][0] + 1 + self.window_s <= now:",
                 "while buckets and buckets[0][0] + self.window_s <= now:",
             ),
         ),
-        ("tests/server/test_refused.py",),
+        ("tests/server/admission/test_refused.py",),
     ),
     Mutant(
         "worker_share_one_call_too_many",
@@ -385,6 +385,22 @@ MUTANTS = (
             ),
         ),
         ("tests/server/engine/test_random_streams.py",),
+    ),
+    Mutant(
+        "open_port_connections_unbounded",
+        "the open services' own port sets no per-connection stream limit: one connection's "
+        "silent health checks arrive in any number, and the refused ones churn the places",
+        (
+            Edit(
+                "server/main.py",
+                '        "grpc.max_concurrent_streams": limits["open_connection_calls"],\n',
+                "",
+            ),
+        ),
+        (
+            "tests/server/test_hostile_clients.py::"
+            "test_seventy_silent_health_checks_leave_a_probe_answering_on_the_shipped_layout",
+        ),
     ),
 )
 

@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
 from pergrad.server.coalescer import Coalescer, granule_for
 from pergrad.server.engine import Batch, Engine
 from pergrad.server.engine.engine import fingerprint

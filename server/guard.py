@@ -68,7 +68,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
+from pergrad.server.admission.limits import OPEN_REQUEST_BYTES, share
+from pergrad.server.admission.refused import RefusedBytes
 from pergrad.server.auth import bearer_token, caller_of
 from pergrad.server.errors import InvalidArgument, ResourceExhausted
 from pergrad.server.handlers import (
@@ -79,7 +81,6 @@ from pergrad.server.handlers import (
     replaced,
 )
 from pergrad.server.interceptors import ended_by_client
-from pergrad.server.refused import RefusedBytes
 from pergrad.server.status import (
     RefusedRequest,
     Sized,
@@ -98,14 +99,6 @@ _NO_WORKER = "the call ended while it waited for a worker"
 EVICTABLE_AFTER_S = 0.5
 # How often a call waiting for a worker's permit looks whether it has ended.
 PERMIT_POLL_S = 0.5
-# A connection's calls to health Check and reflection hold at most 1/OPEN_SHARE of the
-# open services' places (Watches have places of their own: a client may open 16 at once).
-OPEN_SHARE = 2
-# A request to health or reflection names a service or a symbol: larger ones are refused
-# before they are parsed (8 callers without a token sending 57 MiB health checks made
-# honest calls 350x slower, three quarters of the GIL in protobuf's parsing:
-# `benchmarks/attacks.py` row 16).
-OPEN_REQUEST_BYTES = 4096
 
 
 def _open_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -199,7 +192,7 @@ class _Places:
     """Calls of one kind admitted and not yet ended, at most `limit`. A place is taken as
     the call arrives (gRPC's poll thread) and given back when it ends. gRPC runs the
     handler of every call the guard admits (its own limit lies above the sum of the
-    guard's, `CallGuard.admitted_at_most`), so no place is lost and none needs to expire.
+    guard's: the `grpc_calls` limit), so no place is lost and none needs to expire.
     With `evict`, a call arriving at the limit takes the place of the one that has waited
     on its client longest, if for EVICTABLE_AFTER_S at least, which is cancelled: callers
     that send nothing cannot lock out those that do, and a call whose request is on its
@@ -313,7 +306,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._refused = RefusedBytes()
         self._calls = _Places(max_calls)
         self._permits = threading.Semaphore(workers)
-        self._shares = _Shares(max(1, workers // 2))
+        self._shares = _Shares(share(workers))
         self._streams = _Places(max_streams)
         self._per_caller_streams = per_caller_streams
         self._caller_streams: dict[str, _Places] = {}
@@ -321,10 +314,9 @@ class CallGuard(grpc.ServerInterceptor):
         self._caller_calls: dict[str, _Places] = {}
         self._callers_lock = threading.Lock()
         self._open = _Places(max_open_calls, evict=True)
-        self._open_shares = _Shares(max(1, max_open_calls // OPEN_SHARE))
+        self._open_shares = _Shares(share(max_open_calls))
         self._open_streams = _Places(max_open_streams)
         self._watches = _Places(max_watch_streams, evict=True)
-        self.admitted_at_most = max_calls + max_open_calls + max_watch_streams
         self._open_pool = ThreadPoolExecutor(
             max_workers=max_open_calls, thread_name_prefix="pergrad-open"
         )

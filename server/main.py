@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent import futures
 from dataclasses import dataclass, replace
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
+from pergrad.server.admission.limits import resolve, share
 from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
-from pergrad.server.guard import OPEN_REQUEST_BYTES, CallGuard
+from pergrad.server.guard import CallGuard
 from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.health import SERVING, HealthService
 from pergrad.server.interceptors import MetricsInterceptor
@@ -29,17 +31,6 @@ from pergrad.server.training import make_optimizer
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
-# Calls to health Check and reflection (no token needed) at once, each on a thread of
-# their own pool (`CallGuard`), of which reflection streams.
-OPEN_CALLS = 16
-OPEN_STREAMS = 2
-# Health Watch streams open at once, on places and a pool of their own (they hold no
-# thread once their request is read); more are RESOURCE_EXHAUSTED, so watchers cannot
-# crowd out other calls, health Checks included.
-WATCH_STREAMS = 16
-# gRPC's own limit lies this far above the calls the guard admits: refusals, which end at
-# once on threads of their own, use it; gRPC refuses none of the guard's.
-REFUSALS_ROOM = 64
 
 
 def configure_devices() -> None:
@@ -82,6 +73,8 @@ class RunningServer:
     # port (`port` where they share the service's server).
     open_server: grpc.Server | None
     open_port: int
+    # Each bound's capacity (`admission.limits`), as this server resolved them.
+    limits: Mapping[str, int | float]
 
     @property
     def metrics_port(self) -> int:
@@ -138,23 +131,26 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     config = with_coalescing_resolved(config)
     config = replace(config, max_request_bytes=max_request_bytes(config, registry))
     _LOGGER.info("--max-request-bytes %d", config.max_request_bytes)
+    limits = resolve(config)
     metrics = ServerMetrics()
+    metrics.limits_set(limits)
     for name in registry.names:
         metrics.model_served(name, registry.get(name).weights.current.version)
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
     admission = Admission(
-        max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
+        max_examples=limits["inflight_examples"], max_bytes=limits["inflight_bytes"]
     )
+    tokens = config.auth_token_file is not None
     guard = CallGuard(
-        stall_timeout_s=config.stall_timeout_s,
-        workers=config.workers,
-        max_calls=config.max_calls,
-        max_streams=config.max_streams,
-        max_open_calls=OPEN_CALLS,
-        max_open_streams=OPEN_STREAMS,
-        max_watch_streams=WATCH_STREAMS,
-        per_caller_streams=None if config.auth_token_file is None else per_token_streams(config),
-        per_caller_calls=None if config.auth_token_file is None else per_token_calls(config),
+        stall_timeout_s=limits["stall_s"],
+        workers=limits["workers"],
+        max_calls=limits["calls"],
+        max_streams=limits["streams"],
+        max_open_calls=limits["open_calls"],
+        max_open_streams=limits["open_streams"],
+        max_watch_streams=limits["watch_streams"],
+        per_caller_streams=share(limits["streams"]) if tokens else None,
+        per_caller_calls=share(limits["calls"]) if tokens else None,
         admission=admission,
         on_stall=metrics.call_stalled,
         on_refused_unread=metrics.call_refused_unread,
@@ -166,7 +162,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     )
     try:
         servicer = GradientServicer(registry, config, metrics, coalescers, admission)
-        grpc_servers = _start_grpc(config, servicer, guard)
+        grpc_servers = _start_grpc(config, limits, servicer, guard)
     except BaseException:
         guard.close()
         endpoint.close()
@@ -183,40 +179,36 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         endpoint.port,
     )
     return RunningServer(
-        server, port, health_servicer, metrics, endpoint, guard, coalescers, open_server, open_port
+        server,
+        port,
+        health_servicer,
+        metrics,
+        endpoint,
+        guard,
+        coalescers,
+        open_server,
+        open_port,
+        limits,
     )
 
 
-def per_token_calls(config: Config) -> int:
-    """The calls to the service one token may have admitted at once (computing or
-    queued): half of --workers + --max-queued-calls (at least one), so that one caller
-    cannot fill the queue."""
-    return max(1, config.max_calls // 2)
-
-
-def per_token_streams(config: Config) -> int:
-    """The request streams one token may hold at once: half of --max-streams (at least
-    one), so that one caller cannot stop everyone's weight updates and streams."""
-    return max(1, config.max_streams // 2)
-
-
 def _start_grpc(
-    config: Config, servicer: GradientServicer, guard: CallGuard
+    config: Config, limits: Mapping[str, int | float], servicer: GradientServicer, guard: CallGuard
 ) -> tuple[grpc.Server, grpc.Server | None, HealthService, int, int]:
     """(the service's server, health and reflection's own or None, the health servicer,
     the service's port, health and reflection's port), started."""
     server = grpc.server(
         # A thread per call admitted: waiting for a request takes one; computing takes
         # one of the guard's --workers permits besides (`CallGuard`).
-        futures.ThreadPoolExecutor(max_workers=config.max_calls),
+        futures.ThreadPoolExecutor(max_workers=limits["calls"]),
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(servicer.metrics), *_auth_interceptors(config), guard],
         options=server_options(config),
-        maximum_concurrent_rpcs=guard.admitted_at_most + REFUSALS_ROOM,
+        maximum_concurrent_rpcs=limits["grpc_calls"],
     )
     add_to_server(servicer, server)
     own = (
-        _open_services_server(config, servicer, guard)
+        _open_services_server(config, limits, servicer, guard)
         if config.open_services_port is not None
         else None
     )
@@ -243,21 +235,29 @@ def _start_grpc(
 
 
 def _open_services_server(
-    config: Config, servicer: GradientServicer, guard: CallGuard
+    config: Config,
+    limits: Mapping[str, int | float],
+    servicer: GradientServicer,
+    guard: CallGuard,
 ) -> grpc.Server:
     """Health and reflection's own server: gRPC's C core refuses its requests over
     OPEN_REQUEST_BYTES before Python copies them (on a server shared with the service,
-    they are copied up to --max-request-bytes first: `benchmarks/attacks.py` row 16),
-    and the service's port then serves nothing a caller without a token can reach."""
-    options = [
-        (name, OPEN_REQUEST_BYTES if name == "grpc.max_receive_message_length" else value)
-        for name, value in server_options(config)
-    ]
+    they are copied up to --max-request-bytes first: `benchmarks/attacks.py` row 16), and
+    holds each connection to its share of the open calls' places (`open_connection_calls`:
+    a connection's further calls wait on the client's side, before any Python thread, so
+    one caller's silent calls cannot keep every place from a kubelet's probe); the
+    service's port then serves nothing a caller without a token can reach."""
+    own = {
+        "grpc.max_receive_message_length": limits["open_request_bytes"],
+        "grpc.max_concurrent_streams": limits["open_connection_calls"],
+    }
+    options = [*{**dict(server_options(config)), **own}.items()]
     return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=OPEN_CALLS),  # refusals; calls run on the guard's
+        # refusals; calls run on the guard's pools
+        futures.ThreadPoolExecutor(max_workers=limits["open_calls"]),
         interceptors=[MetricsInterceptor(servicer.metrics), guard],
         options=options,
-        maximum_concurrent_rpcs=OPEN_CALLS + WATCH_STREAMS + REFUSALS_ROOM,
+        maximum_concurrent_rpcs=limits["open_grpc_calls"],
     )
 
 

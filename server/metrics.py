@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import grpc
@@ -108,6 +108,12 @@ class ServerMetrics:
         self._define_rpc_metrics()
         self._define_request_metrics()
         self._define_weights_metrics()
+        self._limit = Gauge(
+            "pergrad_limit",
+            "Each bound's capacity, as this server resolved it (docs/operations.md, Limits).",
+            ("limit",),
+            registry=self.registry,
+        )
 
     def _define_process_metrics(self) -> None:
         ProcessCollector(registry=self.registry)
@@ -319,6 +325,11 @@ class ServerMetrics:
         self._rejected.labels(code.name).inc()
 
     # models and weights
+
+    def limits_set(self, capacities: Mapping[str, float]) -> None:
+        """Export each bound's capacity (`admission.limits`)."""
+        for name, capacity in capacities.items():
+            self._limit.labels(name).set(capacity)
 
     def model_served(self, model: str, version: int) -> None:
         """Export `model` at `version`, its counters at 0 so rates start from the first call."""

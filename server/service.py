@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
 from pergrad.server.auth import caller_of
 from pergrad.server.coalescer import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.config import Config

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.gradients import Settings, prepare, reduced
 from pergrad.server.models.registry import ServedModel

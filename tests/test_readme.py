@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pergrad.server import engine
+from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S
 from pergrad.server.config import AUTO_REQUEST_BYTES, add_arguments
 from pergrad.server.engine.rules import LayerRegistry, default_registry
-from pergrad.server.refused import REFUSED_BYTES_BUDGET, REFUSED_WINDOW_S
 from pergrad.wire.catalogue import CATALOGUE
 from tests.conftest import ROOT
 from tests.helpers import LOOP_ERROR_FACTOR, RELATIVE_TOLERANCE
@@ -173,7 +173,7 @@ def test_readme_states_the_tolerances_the_tests_hold() -> None:
 
 def test_readme_states_the_refused_bytes_budget_the_guard_holds() -> None:
     text = " ".join(README.split())
-    assert f"{REFUSED_BYTES_BUDGET >> 20} MiB of them in any {REFUSED_WINDOW_S:g} s" in text
+    assert f"{REFUSED_BYTES >> 20} MiB of them in any {REFUSED_WINDOW_S:g} s" in text
 
 
 def test_readme_states_the_auto_message_limit() -> None:

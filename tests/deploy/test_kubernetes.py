@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,68 +180,37 @@ def _with_secret_files(env: dict[str, str], directory: Path) -> dict[str, str]:
 def test_container_ports_and_probes_match_the_configured_ports(rendered) -> None:
     env, container = _env(rendered), _container(rendered)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": int(env["PERGRAD_PORT"]), "metrics": int(env["PERGRAD_METRICS_PORT"])}
+    assert ports == {
+        "grpc": int(env["PERGRAD_PORT"]),
+        "metrics": int(env["PERGRAD_METRICS_PORT"]),
+        "open": int(env["PERGRAD_OPEN_SERVICES_PORT"]),
+    }
     for probe in PROBES:
         if "PERGRAD_TLS_CERT" in env:  # native gRPC probes speak no TLS
             assert container[probe]["exec"]["command"] == HEALTHCHECK, probe
         else:
-            assert container[probe]["grpc"] == {"port": ports["grpc"]}, probe
+            assert container[probe]["grpc"] == {"port": ports["open"]}, probe
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # time to load models
 
 
-def _render_with_components(directory: Path, *components: str) -> list[dict[str, Any]]:
-    """The cpu overlay with these components added, as an overlay of one's own adds
-    them (in a copy of the tree: Kustomize takes relative paths only)."""
-    root = directory / "k8s"
-    shutil.copytree(DEPLOY / "k8s", root)
-    overlay = root / "overlays" / "with-components"
-    overlay.mkdir()
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": ["../cpu"],
-        "components": [f"../../components/{name}" for name in components],
-    }
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    run = subprocess.run(
-        [_kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr
-    return [doc for doc in yaml.safe_load_all(run.stdout) if doc]
-
-
-def test_open_services_component_probes_a_port_the_services_do_not_expose(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_probes_ask_the_open_services_port_which_no_service_exposes(
+    rendered, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    objects = _render_with_components(tmp_path, "open-services-port")
-    env, container = _env(objects), _container(objects)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    """Health and reflection on a port of their own, as the server reads the ConfigMap:
+    the kubelet reaches the pod directly, and no Service lets a caller without a token
+    reach that port (or, through it, hold the probes' places)."""
+    for key, value in _env(rendered).items():
+        if not key.startswith("PERGRAD_TLS_"):  # files the pod's Secret holds
+            monkeypatch.setenv(key, value)
     monkeypatch.setenv("PERGRAD_MODEL_DIR", str(tmp_path))
     open_port = parse([]).open_services_port
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    ports = {p["name"]: p["containerPort"] for p in _container(rendered)["ports"]}
     assert open_port is not None and ports["open"] == open_port
-    for probe in PROBES:
-        assert container[probe]["grpc"] == {"port": open_port}, probe
-    for service in (o for o in objects if o["kind"] == "Service"):
+    for service in (o for o in rendered if o["kind"] == "Service"):
         exposed = {p["port"] for p in service["spec"]["ports"]}
-        assert open_port not in exposed and "open" not in {
-            p["targetPort"] for p in service["spec"]["ports"]
-        }
-    for obj in objects:
-        if obj["kind"] not in OPERATOR_KINDS:
-            kubernetes_validate.validate(obj, MINIMUM_KUBERNETES, strict=True)
-
-
-def test_open_services_component_before_tls_leaves_the_probes_to_the_health_check(
-    tmp_path: Path,
-) -> None:
-    """Under TLS the probes exec the health check, which reads the open services' port."""
-    objects = _render_with_components(tmp_path, "open-services-port", "tls")
-    assert "PERGRAD_OPEN_SERVICES_PORT" in _env(objects)
-    for probe in PROBES:
-        assert _container(objects)[probe]["exec"]["command"] == HEALTHCHECK, probe
+        targets = {p["targetPort"] for p in service["spec"]["ports"]}
+        assert open_port not in exposed and "open" not in targets and open_port not in targets
 
 
 def test_termination_grace_outlasts_prestop_sleep_and_drain(rendered) -> None:

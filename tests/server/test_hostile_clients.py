@@ -29,19 +29,18 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
 from pergrad.server import metrics_http
-from pergrad.server.guard import EVICTABLE_AFTER_S, OPEN_REQUEST_BYTES, OPEN_SHARE
-from pergrad.server.main import (
+from pergrad.server.admission.limits import (
     OPEN_CALLS,
+    OPEN_REQUEST_BYTES,
     OPEN_STREAMS,
+    REFUSED_BYTES,
     WATCH_STREAMS,
-    RunningServer,
-    build_registry,
-    per_token_calls,
-    start,
+    share,
 )
+from pergrad.server.guard import EVICTABLE_AFTER_S
+from pergrad.server.main import RunningServer, build_registry, start
 from pergrad.server.models.builtin import LOSS
 from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_model
-from pergrad.server.refused import REFUSED_BYTES_BUDGET
 from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
@@ -121,6 +120,36 @@ def _check(channel: grpc.Channel, timeout: float = 30) -> int:
         b"", timeout=timeout
     )
     return reply.status
+
+
+SILENT_CHECKS = 70  # `benchmarks/attacks.py` row 1
+
+
+def test_seventy_silent_health_checks_leave_a_probe_answering_on_the_shipped_layout() -> None:
+    """Row 1 of the attacks where the manifests ship the probes (--open-services-port): 70
+    health Checks without a token that never send their request, on one connection. gRPC
+    holds that connection to its share of the places there (`open_connection_calls`),
+    keeping its other calls on the client's side before any Python thread sees them: none
+    is refused (an attacker reopening refused calls in a loop has none to reopen), and a
+    probe on a connection of its own, as a kubelet's comes, answers every time. (Before,
+    the guard refused 62 of them as they came; reopened at once, they churned the places
+    until no silent call was old enough to evict, and a probe found every place taken.)"""
+    running = _start(open_services_port=0, stall_timeout_s=600)  # the silent stay silent
+    target = f"127.0.0.1:{running.open_port}"
+    try:
+        with grpc.insecure_channel(target, options=OWN_CONNECTION) as attacker:
+            silent = [_idle_stream(attacker, HEALTH + "Check") for _ in range(SILENT_CHECKS)]
+            _until(running.metrics_port, "grpc_server_started_total", "Check", share(OPEN_CALLS))
+            statuses = []
+            for _ in range(20):
+                with grpc.insecure_channel(target, options=OWN_CONNECTION) as probe:
+                    statuses.append(_check(probe, timeout=10))
+            assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 20
+            assert [_code(call) for call in silent if call.done()] == []
+            for call in silent:
+                call.cancel()
+    finally:
+        running.stop(0)
 
 
 def test_idle_reflection_streams_leave_the_workers_to_everyone(guarded) -> None:
@@ -234,14 +263,14 @@ def test_watches_take_no_place_of_a_health_check() -> None:
         with contextlib.ExitStack() as stack:
             connections = [
                 stack.enter_context(grpc.insecure_channel(_target(running), options=OWN_CONNECTION))
-                for _ in range(OPEN_SHARE + 1)
+                for _ in range(OPEN_CALLS // share(OPEN_CALLS) + 1)
             ]
             watches = [_idle_stream(connections[0], HEALTH + "Watch") for _ in range(WATCH_STREAMS)]
             _until(port, "grpc_server_started_total", "Watch", WATCH_STREAMS)
             checks = [
                 _idle_stream(connection, HEALTH + "Check")
                 for connection in connections[1:]
-                for _ in range(OPEN_CALLS // OPEN_SHARE)
+                for _ in range(share(OPEN_CALLS))
             ]
             _until(port, "grpc_server_started_total", "Check", OPEN_CALLS)
             codes = [_code(call) for call in watches + checks]
@@ -330,12 +359,12 @@ def test_calls_that_never_send_their_request_are_cancelled_and_free_the_workers(
                     stack.enter_context(
                         grpc.insecure_channel(_target(running), options=OWN_CONNECTION)
                     )
-                    for _ in range(OPEN_SHARE)
+                    for _ in range(OPEN_CALLS // share(OPEN_CALLS))
                 ]
                 probes = [
                     _idle_stream(connection, HEALTH + "Check", timeout=60)
                     for connection in connections
-                    for _ in range(OPEN_CALLS // OPEN_SHARE)
+                    for _ in range(share(OPEN_CALLS))
                 ]
                 probes += [_idle_stream(channel, HEALTH + "Watch", timeout=60) for _ in range(4)]
                 _until(running.metrics_port, "grpc_server_started_total", "Check", OPEN_CALLS)
@@ -507,11 +536,11 @@ def test_one_token_cannot_fill_the_queue(tmp_path: Path) -> None:
     )
     running = start(config)
     reader = (("authorization", "Bearer reader"),)
-    share = per_token_calls(config)
+    token_share = share(config.max_calls)
     try:
         with grpc.insecure_channel(_target(running)) as channel:
             silent = []
-            for count in range(1, share + 1):
+            for count in range(1, token_share + 1):
                 silent.append(_idle_stream(channel, SERVICE + "GetModelInfo", reader, timeout=60))
                 _until(running.metrics_port, "grpc_server_started_total", "GetModelInfo", count)
             refused = _idle_stream(channel, SERVICE + "GetModelInfo", reader, timeout=20)
@@ -1407,7 +1436,7 @@ def _codes_until_barred(
     codes = []
     with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
         unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
-        for _ in range(REFUSED_BYTES_BUDGET // len(request) + 2):
+        for _ in range(REFUSED_BYTES // len(request) + 2):
             err = _raw_call_error(unary(request, timeout=30))
             codes.append((err.code(), err.details()))
             if "refused unread" in err.details():
@@ -1449,7 +1478,7 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
             assert {c for c, _ in codes[:-1]} == {code}
             assert codes[-1][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "refused unread" in codes[-1][1]
-            assert len(codes) - 1 == REFUSED_BYTES_BUDGET // len(request) + 1
+            assert len(codes) - 1 == REFUSED_BYTES // len(request) + 1
             x, y = batch_for((784,), 10, 4)
             assert honest.per_example_gradients("mnist_mlp", x, y, reduction="norms")
         exposition = scrape(running.metrics_port)
@@ -1480,7 +1509,7 @@ def test_a_streams_refused_request_is_charged_alone() -> None:
         with GradientClient(_target(running), options=OWN_CONNECTION) as client:
             limit = client.model_info("mnist_mlp").limits.max_request_bytes
             served = _at_the_limit(limit, reduction=pb.REDUCTION_NORMS)
-            requests = [served] * (REFUSED_BYTES_BUDGET // len(served) + 1) + [_labels_short(limit)]
+            requests = [served] * (REFUSED_BYTES // len(served) + 1) + [_labels_short(limit)]
             with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
                 stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
                 err = _raw_call_error(stream(iter(requests), timeout=120))
@@ -1505,12 +1534,12 @@ def test_each_stream_is_charged_its_refused_request() -> None:
         details = []
         with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
             stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
-            for _ in range(REFUSED_BYTES_BUDGET // len(refused) + 2):
+            for _ in range(REFUSED_BYTES // len(refused) + 2):
                 err = _raw_call_error(stream(iter([served, refused]), timeout=60))
                 details.append(err.details())
                 if "refused unread" in err.details():
                     break
         assert "refused unread" in details[-1]
-        assert len(details) - 1 == REFUSED_BYTES_BUDGET // len(refused) + 1
+        assert len(details) - 1 == REFUSED_BYTES // len(refused) + 1
     finally:
         running.stop(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pergrad.server.refused import RefusedBytes
+from pergrad.server.admission.refused import RefusedBytes
 
 
 class Clock:

@@ -11,9 +11,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-# Bytes of refused requests a caller may send in one window, and the window.
-REFUSED_BYTES_BUDGET = 64 << 20
-REFUSED_WINDOW_S = 10.0
+from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S
+
 # Callers remembered at once: past it, those with nothing in the window are forgotten.
 MAX_CALLERS = 4096
 
@@ -24,7 +23,7 @@ class RefusedBytes:
 
     def __init__(
         self,
-        budget: int = REFUSED_BYTES_BUDGET,
+        budget: int = REFUSED_BYTES,
         window_s: float = REFUSED_WINDOW_S,
         *,
         max_callers: int = MAX_CALLERS,

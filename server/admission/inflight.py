@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from pergrad.server.admission.limits import share
 from pergrad.server.errors import RequestTooLarge, ResourceExhausted
 
 _BOUNDS = "--max-inflight-examples, --max-inflight-bytes"
@@ -24,7 +25,7 @@ class Admission:
     def __init__(self, *, max_examples: int, max_bytes: int) -> None:
         self._max_examples = max_examples
         self._max_bytes = max_bytes
-        self.caller_bytes = max(1, max_bytes // 2)
+        self.caller_bytes = share(max_bytes)
         self._examples = 0
         self._bytes = 0
         self._by_caller: dict[str, int] = {}

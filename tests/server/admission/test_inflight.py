@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pergrad.server.admission import Admission
+from pergrad.server.admission.inflight import Admission
 from pergrad.server.errors import ResourceExhausted
 
 BYTES = 1000
