@@ -187,7 +187,7 @@ MUTANTS = (
         "a one-request method's responses are sent with no stall timer",
         (
             Edit(
-                "server/guard.py",
+                "server/transport/guard.py",
                 "            if handler.response_streaming:\n"
                 "                return self._responses(result, context, method, on_error)\n",
                 "",
@@ -324,7 +324,7 @@ MUTANTS = (
         "token holds both and another token's call waits",
         (
             Edit(
-                "server/guard.py",
+                "server/admission/pools.py",
                 "while self._held.get(caller, 0) >= self.limit:",
                 "while self._held.get(caller, 0) > self.limit:",
             ),

@@ -13,21 +13,21 @@ from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import resolve, share
-from pergrad.server.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
-from pergrad.server.guard import CallGuard
-from pergrad.server.health import SERVICE_NAME as HEALTH_SERVICE
-from pergrad.server.health import SERVING, HealthService
-from pergrad.server.interceptors import MetricsInterceptor
 from pergrad.server.metrics import ServerMetrics
-from pergrad.server.metrics_http import MetricsEndpoint, serve_metrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.registry import ModelRegistry, load_model
-from pergrad.server.reflection import add_reflection
 from pergrad.server.service import GradientServicer, add_to_server, max_request_bytes
-from pergrad.server.tls import server_credentials
 from pergrad.server.training import make_optimizer
+from pergrad.server.transport.auth import TokenAuthInterceptor, load_tokens
+from pergrad.server.transport.guard import CallGuard
+from pergrad.server.transport.health import SERVICE_NAME as HEALTH_SERVICE
+from pergrad.server.transport.health import SERVING, HealthService
+from pergrad.server.transport.interceptors import MetricsInterceptor
+from pergrad.server.transport.metrics_http import MetricsEndpoint, serve_metrics
+from pergrad.server.transport.reflection import add_reflection
+from pergrad.server.transport.tls import server_credentials
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)

@@ -3,9 +3,9 @@
 Several servers may run in one process (the tests start many), so nothing is registered in
 prometheus-client's global registry: each `ServerMetrics` owns a `CollectorRegistry` with
 the process collectors, the gRPC metrics (go-grpc-prometheus names, filled by
-`pergrad.server.interceptors`), pergrad's own `pergrad_*` metrics (per request, filled by
+`pergrad.server.transport.interceptors`), pergrad's own `pergrad_*` metrics (per request, filled by
 `pergrad.server.tracking`) and, when TensorFlow sees a GPU, GPU memory.
-`pergrad.server.metrics_http` exposes a registry over HTTP on a port of its own.
+`pergrad.server.transport.metrics_http` exposes a registry over HTTP on a port of its own.
 
 Other modules only call methods of `ServerMetrics`; none creates a metric.
 """
@@ -254,7 +254,7 @@ class ServerMetrics:
             registry=r,
         )
 
-    # gRPC, for pergrad.server.interceptors
+    # gRPC, for pergrad.server.transport.interceptors
 
     def rpc_started(self, labels: RpcLabels, arrived: float) -> None:
         """An RPC reached its handler; `arrived` (perf_counter) is when the server got it."""

@@ -12,7 +12,6 @@ import grpc
 import numpy as np
 
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.auth import caller_of
 from pergrad.server.coalescer import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
@@ -23,13 +22,14 @@ from pergrad.server.gradients import (
     responses,
     served_plan,
 )
-from pergrad.server.handlers import kind
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.training import KERAS_VERSION
+from pergrad.server.transport.auth import caller_of
+from pergrad.server.transport.handlers import kind
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc

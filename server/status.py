@@ -22,8 +22,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pergrad.server.errors import InvalidArgument, NotFound, PergradServerError, RequestTooLarge
-from pergrad.server.interceptors import ended_by_client
 from pergrad.server.metrics import ServerMetrics
+from pergrad.server.transport.interceptors import ended_by_client
 from pergrad.wire.casting import CastError
 from pergrad.wire.catalogue import OptionError
 from pergrad.wire.codec import CodecError

@@ -21,9 +21,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pergrad.server.config import ConfigError, OptimizerSpec
+from pergrad.server.config import ConfigError
 from pergrad.server.engine.compiled import FlatCall
 from pergrad.server.errors import Cancelled
+from pergrad.server.optimizer_spec import OptimizerSpec
 
 _TURN_POLL_S = 0.1  # how often a step waiting for its turn asks whether its call ended
 # Settings every Keras optimizer shares that a step does not take from --optimizer: the

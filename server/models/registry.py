@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from pergrad.server.config import Config, OptimizerSpec, parse_optimizer
+from pergrad.server.config import Config
 from pergrad.server.engine import Engine
 from pergrad.server.engine.compiled import JitCompile
 from pergrad.server.errors import NotFound
@@ -18,6 +18,7 @@ from pergrad.server.lora_spec import LoraSpec
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.models.lora import enable_lora, warn_if_lora_lost
+from pergrad.server.optimizer_spec import OptimizerSpec, parse_optimizer
 from pergrad.server.training import Trainer
 from pergrad.server.weights import WeightsStore
 from pergrad.wire.text import quoted

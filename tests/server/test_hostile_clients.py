@@ -28,7 +28,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.client.local import LocalServer
-from pergrad.server import metrics_http
 from pergrad.server.admission.limits import (
     OPEN_CALLS,
     OPEN_REQUEST_BYTES,
@@ -37,11 +36,12 @@ from pergrad.server.admission.limits import (
     WATCH_STREAMS,
     share,
 )
-from pergrad.server.guard import EVICTABLE_AFTER_S
+from pergrad.server.admission.pools import EVICTABLE_AFTER_S
 from pergrad.server.main import RunningServer, build_registry, start
 from pergrad.server.models.builtin import LOSS
 from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_model
 from pergrad.server.service import READ_UNPARSED_FROM
+from pergrad.server.transport import metrics_http
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec

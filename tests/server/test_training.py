@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pergrad.server.config import ConfigError, parse_optimizer
+from pergrad.server.config import ConfigError
 from pergrad.server.main import build_registry
+from pergrad.server.optimizer_spec import parse_optimizer
 from pergrad.server.training import NOT_FROM_A_FLAG, Trainer, keras_optimizers, make_optimizer
 from tests.helpers import loopback_config, tabular_model
 

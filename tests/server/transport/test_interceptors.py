@@ -14,8 +14,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pergrad.server.interceptors import MetricsInterceptor
 from pergrad.server.metrics import ServerMetrics
+from pergrad.server.transport.interceptors import MetricsInterceptor
 
 SERVICE = "test.Probe"
 

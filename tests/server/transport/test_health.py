@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pergrad.server.health import HealthService
 from pergrad.server.main import start
+from pergrad.server.transport.health import HealthService
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from tests.helpers import loopback_config

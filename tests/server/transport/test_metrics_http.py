@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pergrad.server import metrics_http
 from pergrad.server.metrics import ServerMetrics
-from pergrad.server.metrics_http import MetricsEndpoint, serve_metrics
+from pergrad.server.transport import metrics_http
+from pergrad.server.transport.metrics_http import MetricsEndpoint, serve_metrics
 from tests.prometheus import scrape
 
 

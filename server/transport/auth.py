@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.handlers import Kind, declared_kind_of, kind, refusal
+from pergrad.server.transport.handlers import Kind, declared_kind_of, kind, refusal
 from pergrad.wire.rpc import OPEN_SERVICES, method_path, split_method, streaming
 
 READ_ONLY_SUFFIX = ":ro"

@@ -70,17 +70,9 @@ from google.protobuf.message import DecodeError, Message
 
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import OPEN_REQUEST_BYTES, share
+from pergrad.server.admission.pools import Place, Pool, Shares, wait_for_permit
 from pergrad.server.admission.refused import RefusedBytes
-from pergrad.server.auth import bearer_token, caller_of
 from pergrad.server.errors import InvalidArgument, ResourceExhausted
-from pergrad.server.handlers import (
-    as_request_stream,
-    behavior_of,
-    declared_kind_of,
-    refusal,
-    replaced,
-)
-from pergrad.server.interceptors import ended_by_client
 from pergrad.server.status import (
     RefusedRequest,
     Sized,
@@ -88,17 +80,21 @@ from pergrad.server.status import (
     refused_for_content,
     sized,
 )
+from pergrad.server.transport.auth import bearer_token, caller_of
+from pergrad.server.transport.handlers import (
+    as_request_stream,
+    behavior_of,
+    declared_kind_of,
+    refusal,
+    replaced,
+)
+from pergrad.server.transport.interceptors import ended_by_client
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
 _STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
 _ENDED = "{method}: cancelled while its request was awaited"
-_NO_WORKER = "the call ended while it waited for a worker"
-# An open call waiting this long on its client may lose its place to a new one.
-EVICTABLE_AFTER_S = 0.5
-# How often a call waiting for a worker's permit looks whether it has ended.
-PERMIT_POLL_S = 0.5
 
 
 def _open_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -164,125 +160,6 @@ class _Waits:
                 context.cancel()
 
 
-class _Place:
-    """One admitted call's place: given back once, when the call ends (or when it is
-    evicted); while its call waits on its client it is `waiting` with its context."""
-
-    def __init__(self, places: _Places) -> None:
-        self._places = places
-        self.since = 0.0
-
-    def waited(self, seconds: float) -> bool:
-        return time.monotonic() - self.since >= seconds
-
-    def hold_until_done(self, context: grpc.ServicerContext) -> None:
-        """Give the place back when the call ends (at once if it has ended already)."""
-        if not context.add_callback(self.give_back):
-            self.give_back()
-
-    def waiting(self, context: grpc.ServicerContext | None) -> None:
-        """The call waits on its client (`context`), or no longer (None)."""
-        self._places.mark_waiting(self, context)
-
-    def give_back(self) -> None:
-        self._places.give_back(self)
-
-
-class _Places:
-    """Calls of one kind admitted and not yet ended, at most `limit`. A place is taken as
-    the call arrives (gRPC's poll thread) and given back when it ends. gRPC runs the
-    handler of every call the guard admits (its own limit lies above the sum of the
-    guard's: the `grpc_calls` limit), so no place is lost and none needs to expire.
-    With `evict`, a call arriving at the limit takes the place of the one that has waited
-    on its client longest, if for EVICTABLE_AFTER_S at least, which is cancelled: callers
-    that send nothing cannot lock out those that do, and a call whose request is on its
-    way is never cut off by one that arrived just after it."""
-
-    def __init__(self, limit: int, *, evict: bool = False) -> None:
-        self.limit = limit
-        self._evict = evict
-        self._held: set[_Place] = set()
-        self._waiting: dict[_Place, grpc.ServicerContext] = {}  # oldest first
-        self._lock = threading.Lock()
-
-    def take(self) -> _Place | None:
-        evicted = None
-        with self._lock:
-            if len(self._held) >= self.limit:
-                oldest = next(iter(self._waiting), None)
-                if not self._evict or oldest is None or not oldest.waited(EVICTABLE_AFTER_S):
-                    return None
-                evicted = self._waiting.pop(oldest)
-                self._held.discard(oldest)
-            place = _Place(self)
-            self._held.add(place)
-        if evicted is not None:
-            evicted.cancel()
-        return place
-
-    def mark_waiting(self, place: _Place, context: grpc.ServicerContext | None) -> None:
-        with self._lock:
-            if context is None:
-                self._waiting.pop(place, None)
-            elif place in self._held:
-                place.since = time.monotonic()
-                self._waiting[place] = context
-
-    def give_back(self, place: _Place) -> None:
-        with self._lock:
-            self._held.discard(place)
-            self._waiting.pop(place, None)
-
-
-class _Shares:
-    """Each caller's share of a resource: at most `limit` of its calls hold it at once, so
-    that one caller cannot hold all of it. The workers: a caller's further calls wait,
-    holding none (`take`); the open services' places: they are refused (`try_take`)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: dict[str, int] = {}
-        self._changed = threading.Condition()
-
-    def take(self, caller: str, context: grpc.ServicerContext) -> None:
-        """Wait for the caller's share, given back when the call ends; a call that ends
-        meanwhile waits no longer."""
-        with self._changed:
-            while self._held.get(caller, 0) >= self.limit:
-                self._changed.wait(PERMIT_POLL_S)
-                if not context.is_active():
-                    context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
-            self._held[caller] = self._held.get(caller, 0) + 1
-        if not context.add_callback(lambda: self._give_back(caller)):
-            self._give_back(caller)
-            context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
-
-    def try_take(self, caller: str) -> Callable[[], None] | None:
-        """One of the caller's share at once, or None if it holds all of it: returns the
-        function that gives it back (once, however often and from whichever threads it
-        is called)."""
-        with self._changed:
-            if self._held.get(caller, 0) >= self.limit:
-                return None
-            self._held[caller] = self._held.get(caller, 0) + 1
-        once = threading.Lock()
-
-        def give_back() -> None:
-            if once.acquire(blocking=False):
-                self._give_back(caller)
-
-        return give_back
-
-    def _give_back(self, caller: str) -> None:
-        with self._changed:
-            left = self._held.get(caller, 0) - 1
-            if left > 0:
-                self._held[caller] = left
-            else:
-                self._held.pop(caller, None)
-            self._changed.notify_all()
-
-
 class CallGuard(grpc.ServerInterceptor):
     def __init__(
         self,
@@ -304,19 +181,19 @@ class CallGuard(grpc.ServerInterceptor):
         self._on_refused_unread = on_refused_unread
         self._admission = admission
         self._refused = RefusedBytes()
-        self._calls = _Places(max_calls)
+        self._calls = Pool(max_calls)
         self._permits = threading.Semaphore(workers)
-        self._shares = _Shares(share(workers))
-        self._streams = _Places(max_streams)
+        self._shares = Shares(share(workers))
+        self._streams = Pool(max_streams)
         self._per_caller_streams = per_caller_streams
-        self._caller_streams: dict[str, _Places] = {}
+        self._caller_streams: dict[str, Pool] = {}
         self._per_caller_calls = per_caller_calls
-        self._caller_calls: dict[str, _Places] = {}
+        self._caller_calls: dict[str, Pool] = {}
         self._callers_lock = threading.Lock()
-        self._open = _Places(max_open_calls, evict=True)
-        self._open_shares = _Shares(share(max_open_calls))
-        self._open_streams = _Places(max_open_streams)
-        self._watches = _Places(max_watch_streams, evict=True)
+        self._open = Pool(max_open_calls, evict=True)
+        self._open_shares = Shares(share(max_open_calls))
+        self._open_streams = Pool(max_open_streams)
+        self._watches = Pool(max_watch_streams, evict=True)
         self._open_pool = ThreadPoolExecutor(
             max_workers=max_open_calls, thread_name_prefix="pergrad-open"
         )
@@ -371,8 +248,8 @@ class CallGuard(grpc.ServerInterceptor):
         return as_request_stream(handler, guarded, sized(parse))
 
     def _token_places(
-        self, table: dict[str, _Places], limit: int | None, details: grpc.HandlerCallDetails
-    ) -> list[_Places]:
+        self, table: dict[str, Pool], limit: int | None, details: grpc.HandlerCallDetails
+    ) -> list[Pool]:
         """The call's token's places of a kind (the token is known: its check ran first,
         and the token file bounds the table), when the server has tokens; without them,
         at arrival, a call has no identity to share by."""
@@ -381,13 +258,13 @@ class CallGuard(grpc.ServerInterceptor):
         token = bearer_token(details.invocation_metadata) or ""
         with self._callers_lock:
             if token not in table:
-                table[token] = _Places(limit)
+                table[token] = Pool(limit)
             return [table[token]]
 
     @staticmethod
-    def _take(kinds: list[_Places]) -> list[_Place] | None:
+    def _take(kinds: list[Pool]) -> list[Place] | None:
         """A place of each kind, or none at all."""
-        taken: list[_Place] = []
+        taken: list[Place] = []
         for places in kinds:
             place = places.take()
             if place is None:
@@ -402,7 +279,7 @@ class CallGuard(grpc.ServerInterceptor):
         behavior: Callable[..., Any],
         method: str,
         handler: grpc.RpcMethodHandler,
-        places: list[_Place],
+        places: list[Place],
         watch: bool,
         open_service: bool,
     ) -> Callable[..., Any]:
@@ -450,7 +327,7 @@ class CallGuard(grpc.ServerInterceptor):
             service, of `caller`: `handle`)."""
             if handler.request_streaming:
                 if not open_service:
-                    _compute_permit(self._permits, context)
+                    wait_for_permit(self._permits, context)
                 requests = self._requests(iterator, context, method, waiting, read)
                 result = behavior(requests, context)
             else:
@@ -459,7 +336,7 @@ class CallGuard(grpc.ServerInterceptor):
                     note_request_bytes(context, nbytes)
                     self._hold(request, nbytes, caller, context)
                     self._shares.take(caller, context)
-                    _compute_permit(self._permits, context)
+                    wait_for_permit(self._permits, context)
                 result = behavior(request, context)
             if handler.response_streaming:
                 return self._responses(result, context, method, on_error)
@@ -523,7 +400,7 @@ class CallGuard(grpc.ServerInterceptor):
         iterator: Iterator[Any],
         context: grpc.ServicerContext,
         method: str,
-        waiting: _Place | None = None,
+        waiting: Place | None = None,
         read: list[int] | None = None,
     ) -> Iterator[Any]:
         """The requests, each waited for under the stall timer (and, with `waiting`, an
@@ -579,7 +456,7 @@ class CallGuard(grpc.ServerInterceptor):
         iterator: Iterator[Any],
         context: grpc.ServicerContext,
         method: str,
-        waiting: _Place | None = None,
+        waiting: Place | None = None,
         read: list[int] | None = None,
     ) -> Sized:
         """The one request of a call to a method that takes one (then the client's end),
@@ -599,17 +476,6 @@ class CallGuard(grpc.ServerInterceptor):
                 grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request, got {many}"
             )
         return Sized(request, read[0])
-
-
-def _compute_permit(permits: threading.Semaphore, context: grpc.ServicerContext) -> None:
-    """Wait for one of the workers' permits, held until the call ends (FIFO enough: the
-    semaphore wakes waiters in turn); a call that ends meanwhile waits no longer."""
-    while not permits.acquire(timeout=PERMIT_POLL_S):
-        if not context.is_active():
-            context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
-    if not context.add_callback(permits.release):
-        permits.release()
-        context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
 
 
 def _refuse(open_service: bool) -> Callable[..., Any]:

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.auth import TokenFileError, load_tokens, parse_tokens
 from pergrad.server.main import SERVICE_NAME, RunningServer, start
+from pergrad.server.transport.auth import TokenFileError, load_tokens, parse_tokens
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from tests.helpers import batch_for, loopback_config

@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.handlers import behavior_of, declared_kind_of, replaced
 from pergrad.server.metrics import RpcLabels, ServerMetrics
+from pergrad.server.transport.handlers import behavior_of, declared_kind_of, replaced
 from pergrad.wire.rpc import split_method
 
 # The client cancels at its own deadline, which the server's copy of it trails by the time
