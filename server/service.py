@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pergrad.server.admission import calls
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.coalescer import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.config import Config
@@ -28,7 +29,6 @@ from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.training import KERAS_VERSION
-from pergrad.server.transport.auth import caller_of
 from pergrad.server.transport.handlers import kind
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -368,7 +368,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 self._settings,
                 self._admission,
                 cancelled=lambda: not context.is_active(),
-                caller=caller_of(context, self._config.auth_token_file is not None),
+                caller=calls.of(context).caller,
                 held_bytes=request_bytes(context, request),
             )
         except Exception:
@@ -408,7 +408,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             self._settings,
             cancelled=lambda: not context.is_active(),
             coalescer=coalescer,
-            caller=caller_of(context, self._config.auth_token_file is not None),
+            caller=calls.of(context).caller,
             held_bytes=held_bytes,
         )
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -21,6 +20,7 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from pergrad.server.admission import calls
 from pergrad.server.errors import InvalidArgument, NotFound, PergradServerError, RequestTooLarge
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.transport.interceptors import ended_by_client
@@ -63,31 +63,17 @@ def sized(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Sized]:
     return lambda data: Sized(parse(data) if parse else data, len(data))
 
 
-_REQUEST_BYTES: weakref.WeakKeyDictionary[grpc.ServicerContext, int] = weakref.WeakKeyDictionary()
-
-
-def note_request_bytes(context: grpc.ServicerContext, nbytes: int) -> None:
-    """Keep the size of the call's request as it was read, for `request_bytes`."""
-    _REQUEST_BYTES[context] = nbytes
-
-
 def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
-    """The call's request size as it was read (`note_request_bytes`), else as protobuf
+    """The call's request size as the guard read it (`calls.Call`), else as protobuf
     counts it: upb's `ByteSize()` serializes the message again (56 ms for 57 MiB, holding
     the GIL every other call waits for)."""
-    return _REQUEST_BYTES.get(context) or request.ByteSize()
+    return calls.of(context).request_bytes or request.ByteSize()
 
 
-# Calls refused for what their request held, not for the server's state (a busy server's
-# RESOURCE_EXHAUSTED, a pin's FAILED_PRECONDITION): their bytes count against their
-# caller's budget (`guard`, `refused.RefusedBytes`).
-_REFUSED_FOR_CONTENT: weakref.WeakSet[grpc.ServicerContext] = weakref.WeakSet()
+# Refusals for what a request held, not for the server's state (a busy server's
+# RESOURCE_EXHAUSTED, a pin's FAILED_PRECONDITION): marked on the call's record, so that
+# its bytes count against its caller's budget (`guard`, `refused.RefusedBytes`).
 _CONTENT_ERRORS = (InvalidArgument, NotFound, RequestTooLarge, CodecError, OptionError, CastError)
-
-
-def refused_for_content(context: grpc.ServicerContext) -> bool:
-    """Whether the call was refused for what its request held (`status`)."""
-    return context in _REFUSED_FOR_CONTENT
 
 
 # What refuses a request from its bytes, before it is parsed: the error, or None.
@@ -128,7 +114,7 @@ def _abort(context: grpc.ServicerContext, err: Exception, metrics: ServerMetrics
         _LOGGER.exception("internal error")
         code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
     if isinstance(err, _CONTENT_ERRORS):
-        _REFUSED_FOR_CONTENT.add(context)
+        calls.of(context).refused_for_content = True
     metrics.request_rejected(code)
     context.abort(code, bounded(message))
 

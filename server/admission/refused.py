@@ -1,5 +1,5 @@
 """A caller's refused bytes: requests refused for what they held (malformed, naming what
-is not served, over a bound on one request: `status.refused_for_content`), over a
+is not served, over a bound on one request: `calls.Call.refused_for_content`), over a
 sliding window. Each was received and copied before it could be
 refused, so a caller sending large ones in a loop makes the server copy for nothing;
 past its budget, its calls are refused before their request is read."""

@@ -93,12 +93,10 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
-def caller_of(context: grpc.ServicerContext, tokens: bool) -> str:
-    """Whom a call's share is counted for: its token (as a digest) on a server with
-    tokens, else its connection, the only identity a caller without a token has."""
-    if tokens:
-        return _digest(bearer_token(context.invocation_metadata()) or "").hex()
-    return context.peer()
+def token_key(metadata: Any) -> str:
+    """The key a caller on a server with tokens is counted under: its token's digest
+    (none presented: the empty token's; the token check refuses such calls before)."""
+    return _digest(bearer_token(metadata) or "").hex()
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

@@ -44,8 +44,8 @@ per token: a caller's idle streams never hold up its own calls). This intercepto
   they then hold no thread, only their Watch place until they end;
 - refuses a caller's calls to the service before their request is read while the
   requests it had refused for what they held (malformed, naming what is not served, over
-  a bound on one request: `status.refused_for_content`) came to more than its budget of
-  bytes in the last seconds (`refused.RefusedBytes`): each was
+  a bound on one request: marked on the call's record, `admission.calls`) came to more
+  than its budget of bytes in the last seconds (`refused.RefusedBytes`): each was
   received and copied before it could be refused, and a caller sending large ones in a
   loop would make the server copy for nothing, with the GIL every call waits for;
 - refuses a request to an open service over OPEN_REQUEST_BYTES before it is parsed
@@ -68,6 +68,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from pergrad.server.admission import calls
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import OPEN_REQUEST_BYTES, share
 from pergrad.server.admission.pools import Place, Pool, Shares, wait_for_permit
@@ -76,11 +77,9 @@ from pergrad.server.errors import InvalidArgument, ResourceExhausted
 from pergrad.server.status import (
     RefusedRequest,
     Sized,
-    note_request_bytes,
-    refused_for_content,
     sized,
 )
-from pergrad.server.transport.auth import bearer_token, caller_of
+from pergrad.server.transport.auth import token_key
 from pergrad.server.transport.handlers import (
     as_request_stream,
     behavior_of,
@@ -223,21 +222,20 @@ class CallGuard(grpc.ServerInterceptor):
         if non_blocking and handler.request_streaming:
             return handler  # none is served; it could not be read under the stall timer
         watch = non_blocking
+        # The caller, where a token names it (the token check ran first); else its
+        # connection, known once the handler runs.
+        token = None
+        if not open_service and self._per_caller_calls is not None:
+            token = token_key(handler_call_details.invocation_metadata)
         kinds = [self._watches if watch else self._open if open_service else self._calls]
-        if not open_service:
-            kinds += self._token_places(
-                self._caller_calls, self._per_caller_calls, handler_call_details
-            )
+        kinds += self._token_places(self._caller_calls, self._per_caller_calls, token)
         if handler.request_streaming:  # a Watch is not: it returned above otherwise
             kinds.append(self._open_streams if open_service else self._streams)
-            if not open_service:
-                kinds += self._token_places(
-                    self._caller_streams, self._per_caller_streams, handler_call_details
-                )
+            kinds += self._token_places(self._caller_streams, self._per_caller_streams, token)
         places = self._take(kinds)
         if places is None:
             return refusal(declared_kind_of(handler), _refuse(open_service))
-        guarded = self._guarded(behavior, method, handler, places, watch, open_service)
+        guarded = self._guarded(behavior, method, handler, places, watch, open_service, token)
         if open_service:
             guarded.experimental_thread_pool = self._watch_pool if watch else self._open_pool
         parse = handler.request_deserializer
@@ -248,14 +246,13 @@ class CallGuard(grpc.ServerInterceptor):
         return as_request_stream(handler, guarded, sized(parse))
 
     def _token_places(
-        self, table: dict[str, Pool], limit: int | None, details: grpc.HandlerCallDetails
+        self, table: dict[str, Pool], limit: int | None, token: str | None
     ) -> list[Pool]:
-        """The call's token's places of a kind (the token is known: its check ran first,
-        and the token file bounds the table), when the server has tokens; without them,
-        at arrival, a call has no identity to share by."""
-        if limit is None:
+        """The call's token's places of a kind (the token file bounds the table), when
+        the server has tokens; without them, at arrival, a call has no identity to share
+        by."""
+        if limit is None or token is None:
             return []
-        token = bearer_token(details.invocation_metadata) or ""
         with self._callers_lock:
             if token not in table:
                 table[token] = Pool(limit)
@@ -282,6 +279,7 @@ class CallGuard(grpc.ServerInterceptor):
         places: list[Place],
         watch: bool,
         open_service: bool,
+        token: str | None,
     ) -> Callable[..., Any]:
         """The call's behaviour, holding its places until it ends (a Watch holds no
         thread once its request is read), and a call to another open service one of its
@@ -294,7 +292,7 @@ class CallGuard(grpc.ServerInterceptor):
             ) -> None:
                 for place in places:
                     place.hold_until_done(context)
-                request = self._request(iterator, context, method, waiting).request
+                request = self._request(iterator, context, method, waiting)
                 return behavior(request, context, send)
 
             handle_watch.experimental_non_blocking = True
@@ -305,13 +303,12 @@ class CallGuard(grpc.ServerInterceptor):
                 place.hold_until_done(context)
             if open_service:
                 self._open_share(context)
-                return served(iterator, context, None, None)
-            caller = self._caller(context)
-            self._within_refused_budget(caller, method, context)
-            read = [0]
-            count = functools.partial(self._count, caller, read, context)
+                return served(iterator, context, None)
+            call = calls.started(context, context.peer() if token is None else token)
+            self._within_refused_budget(call.caller, method, context)
+            count = functools.partial(self._count, call)
             try:
-                return served(iterator, context, caller, read, count)
+                return served(iterator, context, call, count)
             except BaseException:
                 count()
                 raise
@@ -319,23 +316,20 @@ class CallGuard(grpc.ServerInterceptor):
         def served(
             iterator: Iterator[Any],
             context: grpc.ServicerContext,
-            caller: str | None,
-            read: list[int] | None,
+            call: calls.Call | None,
             on_error: Callable[[], None] = lambda: None,
         ) -> Any:
-            """The call served, its latest request's bytes kept in `read` (calls to the
-            service, of `caller`: `handle`)."""
+            """The call served, its record (`call`: calls to the service) kept current."""
             if handler.request_streaming:
-                if not open_service:
+                if call is not None:
                     wait_for_permit(self._permits, context)
-                requests = self._requests(iterator, context, method, waiting, read)
+                requests = self._requests(iterator, context, method, waiting, call)
                 result = behavior(requests, context)
             else:
-                request, nbytes = self._request(iterator, context, method, waiting, read)
-                if not open_service:
-                    note_request_bytes(context, nbytes)
-                    self._hold(request, nbytes, caller, context)
-                    self._shares.take(caller, context)
+                request = self._request(iterator, context, method, waiting, call)
+                if call is not None:
+                    self._hold(request, call, context)
+                    self._shares.take(call.caller, context)
                     wait_for_permit(self._permits, context)
                 result = behavior(request, context)
             if handler.response_streaming:
@@ -360,10 +354,11 @@ class CallGuard(grpc.ServerInterceptor):
                 f"{wait_s:.1f} s more; fix what those refusals named",
             )
 
-    def _count(self, caller: str, read: list[int], context: grpc.ServicerContext) -> None:
-        """A refused call's request bytes, against its caller's budget."""
-        if read[0] and refused_for_content(context):
-            self._refused.add(caller, read[0])
+    def _count(self, call: calls.Call) -> None:
+        """A call refused for its content: its request's bytes, against its caller's
+        budget."""
+        if call.request_bytes and call.refused_for_content:
+            self._refused.add(call.caller, call.request_bytes)
 
     def _open_share(self, context: grpc.ServicerContext) -> None:
         """Hold one of the connection's share of the open services' places until the call
@@ -380,16 +375,13 @@ class CallGuard(grpc.ServerInterceptor):
         if not context.add_callback(give_back):
             give_back()
 
-    def _caller(self, context: grpc.ServicerContext) -> str:
-        return caller_of(context, self._per_caller_streams is not None)
-
-    def _hold(self, request: Any, nbytes: int, caller: str, context: grpc.ServicerContext) -> None:
-        """Price the request's `nbytes` from its arrival to the call's end
+    def _hold(self, request: Any, call: calls.Call, context: grpc.ServicerContext) -> None:
+        """Price the request's bytes from its arrival to the call's end
         (`Admission.hold`): calls queued for a worker hold their requests too."""
         if self._admission is None or not isinstance(request, Message):
             return  # a malformed request kept none of its bytes; its handler refuses it
         try:
-            release = self._admission.hold(nbytes, caller)
+            release = self._admission.hold(call.request_bytes, call.caller)
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         if not context.add_callback(release):
@@ -401,14 +393,15 @@ class CallGuard(grpc.ServerInterceptor):
         context: grpc.ServicerContext,
         method: str,
         waiting: Place | None = None,
-        read: list[int] | None = None,
+        call: calls.Call | None = None,
     ) -> Iterator[Any]:
         """The requests, each waited for under the stall timer (and, with `waiting`, an
         open service's call, as one that may be evicted meanwhile, its requests refused
         by `_open_parser` ending it). A call cancelled as stalled or evicted ends
         CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
         which the handler would take for the client's end). Sized requests are handed on
-        bare, the latest one's bytes kept in `read`."""
+        bare, the latest one's bytes kept on the call's record (a stream's refusal is its
+        latest request's)."""
         while True:
             token = self._waits.start(context, method)
             if waiting is not None:
@@ -426,8 +419,8 @@ class CallGuard(grpc.ServerInterceptor):
                 return
             if isinstance(item, Sized):
                 item, nbytes = item
-                if read is not None:  # a stream's refusal is its latest request's
-                    read[0] = nbytes
+                if call is not None:
+                    call.request_bytes = nbytes
             if waiting is not None and isinstance(item, RefusedRequest):
                 error = item.error
                 context.abort(grpc.StatusCode[error.code], f"{method}: {error}")
@@ -457,12 +450,11 @@ class CallGuard(grpc.ServerInterceptor):
         context: grpc.ServicerContext,
         method: str,
         waiting: Place | None = None,
-        read: list[int] | None = None,
-    ) -> Sized:
+        call: calls.Call | None = None,
+    ) -> Any:
         """The one request of a call to a method that takes one (then the client's end),
-        with its size on the wire (kept in `read` too)."""
-        read = [0] if read is None else read
-        requests = self._requests(iterator, context, method, waiting, read)
+        its size on the wire kept on `call`."""
+        requests = self._requests(iterator, context, method, waiting, call)
         try:
             request = next(requests, _NOTHING)
             more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
@@ -475,7 +467,7 @@ class CallGuard(grpc.ServerInterceptor):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request, got {many}"
             )
-        return Sized(request, read[0])
+        return request
 
 
 def _refuse(open_service: bool) -> Callable[..., Any]:
