@@ -13,7 +13,7 @@ import numpy as np
 
 from pergrad.client._types import ModelInfo, PergradError, invalid
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.wire.casting import CastError, arrays_by_input, cast, dtype_named
+from pergrad.wire.casting import CastError, arrays_by_input, cast
 from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
 from pergrad.wire.messages import gradients_request
 from pergrad.wire.results import ExpectedOutput, expected_outputs
@@ -180,18 +180,7 @@ class Call:
         )
         dtypes = {v.name: v.dtype for v in variables}
         wire = self.options.get("wire_dtype")
-        return [(e, self._dtype(e, dtypes, wire)) for e in expected]
-
-    @staticmethod
-    def _dtype(
-        expected: ExpectedOutput, variables: dict[str, np.dtype], wire: str | None
-    ) -> np.dtype | None:
-        token = expected.output.dtype
-        if token == "loss":
-            return None
-        if token == "grad":
-            return dtype_named(wire) if wire else variables[expected.variable]
-        return np.dtype(token)
+        return [(e, e.dtype(dtypes, wire, loss=None)) for e in expected]
 
 
 def _example_bytes(info: ModelInfo, x: Any, y: np.ndarray) -> int:

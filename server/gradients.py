@@ -153,19 +153,8 @@ def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Setting
     )
     variables = {v.name: v.dtype for v in selected}
     wire = asked.options.get("wire_dtype")
-    outputs = [(e, _dtype(e, variables, wire, engine.loss_dtype)) for e in expected]
+    outputs = [(e, e.dtype(variables, wire, engine.loss_dtype)) for e in expected]
     return Work(served, asked, batch, snapshot, outputs, request.inline_result)
-
-
-def _dtype(
-    expected: ExpectedOutput, variables: dict[str, np.dtype], wire: str | None, loss: np.dtype
-) -> np.dtype:
-    token = expected.output.dtype
-    if token == "loss":
-        return loss
-    if token == "grad":
-        return dtype_named(wire) if wire else variables[expected.variable]
-    return np.dtype(token)
 
 
 def responses(

@@ -288,3 +288,30 @@ def test_the_engine_imports_nothing_of_the_service_the_models_or_the_protos() ->
         outside = [i for i in ours if not _is(i, ENGINE_ALLOWED)]
         assert not outside, f"{module} imports {outside}"
         assert not [i for i in imported if _is(i, ("grpc",))], module
+
+
+def _cycles() -> list[list[str]]:
+    """The import cycles among the project's modules (imports read from the source, those
+    only for type checking too: a cycle there is the same tangle to a reader)."""
+    graph = {
+        m: sorted(i for i in _imports(SOURCES[m], m) if i in SOURCES and i != m) for m in SOURCES
+    }
+    found, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the path, 2 done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in graph[module]:
+            if state[imported] == 1:
+                found.append([*path[path.index(imported) :], imported])
+            elif state[imported] == 0:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if state[module] == 0:
+            visit(module, [module])
+    return found
+
+
+def test_no_modules_import_each_other() -> None:
+    assert _cycles() == []

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import CATALOGUE, LOSSES, Catalogue, Output, Reduction
 
 
@@ -110,6 +111,19 @@ class ExpectedOutput:
     @property
     def field(self) -> str:
         return self.output.field
+
+    def dtype(
+        self, variables: Mapping[str, np.dtype], wire: str | None, loss: np.dtype | None
+    ) -> np.dtype | None:
+        """Its dtype: the losses' is the model's (`loss`: None where unknown, as to a
+        client), a gradient's the wire's asked for or else its variable's, any other its
+        token's."""
+        token = self.output.dtype
+        if token == "loss":
+            return loss
+        if token == "grad":
+            return dtype_named(wire) if wire else variables[self.variable]
+        return np.dtype(token)
 
 
 def expected_outputs(

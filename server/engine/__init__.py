@@ -5,6 +5,8 @@ result = Engine(model, loss="sparse_categorical_crossentropy").per_example_gradi
 """
 
 from pergrad.server.engine.batch import Batch, InputSpec
-from pergrad.server.engine.engine import Engine, SliceResult, VariableSpec
+from pergrad.server.engine.blocks import SliceResult
+from pergrad.server.engine.engine import Engine
+from pergrad.server.engine.slices import VariableSpec
 
 __all__ = ["Batch", "Engine", "InputSpec", "SliceResult", "VariableSpec"]

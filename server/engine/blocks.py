@@ -5,16 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 
-from pergrad.server.engine.batch import Batch
 from pergrad.server.engine.grads import materialize, rows
-
-if TYPE_CHECKING:
-    from pergrad.server.engine.engine import Engine, Slice, VariableSpec
+from pergrad.server.engine.slices import Slice, VariableSpec
 
 DEFAULT_BLOCK_BYTES = 16 << 20
 
@@ -30,26 +25,25 @@ class SliceResult:
 
 
 def full_gradient_blocks(
-    engine: Engine,
-    batch: Batch,
+    slices: Iterator[Slice],
+    selected: Sequence[VariableSpec],
+    slice_size: int,
     *,
-    variables: Sequence[str] | None = None,
-    trainable: Sequence[tf.Tensor] | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     buffer_sets: int = 1,
 ) -> Iterator[SliceResult]:
-    """Full per-example gradients in blocks of about `block_bytes` of examples.
+    """Full per-example gradients of the `selected` variables, from the engine's
+    `slices` (of at most `slice_size` examples), in blocks of about `block_bytes`.
 
     Blocks take turns over `buffer_sets` sets of arrays: a block's arrays are
     overwritten `buffer_sets` blocks later, so consume them before then. Blocks are made
     as they are asked for, some from the batch's own arrays: leave them unchanged until
     the last block.
     """
-    selected = engine.select(variables)
     bytes_per_example = sum(int(np.prod(v.shape)) * v.dtype.itemsize for v in selected)
-    block = max(1, min(engine.slice_size, block_bytes // bytes_per_example))
+    block = max(1, min(slice_size, block_bytes // bytes_per_example))
     buffers = [[np.empty((block, *v.shape), v.dtype) for v in selected] for _ in range(buffer_sets)]
-    return _blocks(engine.slices(batch, trainable), selected, block, buffers)
+    return _blocks(slices, selected, block, buffers)
 
 
 def _blocks(

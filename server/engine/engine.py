@@ -21,8 +21,7 @@ import heapq
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import keras
 import numpy as np
@@ -38,6 +37,7 @@ from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.reductions import ReductionRegistry, default_reductions
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.server.engine.sinks import FullGradients, Reduced, Sink
+from pergrad.server.engine.slices import Slice, VariableSpec
 from pergrad.server.engine.vectorized import model_inputs
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.wire.catalogue import CATALOGUE, NONE, CheckedOptions, OptionError, Reduction
@@ -53,27 +53,6 @@ DEFAULT_SLICE_BYTES = 64 << 20
 FALLBACK_MAX_SLICE = 32
 # Unknown variable names an error quotes, at most.
 QUOTED_NAMES = 3
-
-
-@dataclass(frozen=True)
-class VariableSpec:
-    """A trainable variable: its position in the model's order, name, dtype and shape."""
-
-    index: int
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-
-class Slice(NamedTuple):
-    """One pass over examples [start, stop): losses [n] and each variable's numpy
-    per-example gradient (dense or factored, see `grads`), in model order; read-only
-    views of the pass's buffers (`grads.host`), to be copied before writing."""
-
-    start: int
-    stop: int
-    losses: np.ndarray
-    grads: list[Grad]
 
 
 def _some(names: set[str]) -> str:
@@ -333,9 +312,20 @@ class Engine:
         """`blocks` of the batch (x, y), cast and checked here."""
         return self.blocks(self.batch(x, y), **kwargs)
 
-    def blocks(self, batch: Batch, **kwargs: Any) -> Iterator[SliceResult]:
-        """Full per-example gradients of `batch` in blocks (`blocks.full_gradient_blocks`)."""
-        return full_gradient_blocks(self, batch, **kwargs)
+    def blocks(
+        self,
+        batch: Batch,
+        *,
+        variables: Sequence[str] | None = None,
+        trainable: Sequence[tf.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[SliceResult]:
+        """Full per-example gradients of `batch` in blocks (`blocks.full_gradient_blocks`),
+        of the `variables` selected (None: all), on `trainable` values (None: the
+        model's)."""
+        selected = self.select(variables)
+        slices = self.slices(batch, trainable)
+        return full_gradient_blocks(slices, selected, self.slice_size, **kwargs)
 
     def per_example_gradients(self, x: Any, y: Any, **kwargs: Any) -> GradientResult:
         """`compute` on the batch (x, y), cast and checked here (float64 -> float32,
