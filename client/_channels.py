@@ -17,6 +17,7 @@ import grpc
 import grpc.experimental
 
 from pergrad.client._credentials import Security
+from pergrad.client._types import PergradError
 from pergrad.wire.rpc import SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 << 20
@@ -107,7 +108,14 @@ def replica_addresses(target: str) -> list[str]:
         host, _, port = rest.lstrip("/").rpartition(":")
         if "/" in host:  # dns://authority/name:port
             host = host.split("/", 1)[1]
-        found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        try:
+            found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            raise PergradError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{target!r}: cannot resolve {host!r} ({err.strerror}); check the name, or "
+                "call from where it resolves (a headless Service's: inside its cluster)",
+            ) from None
         addresses = {f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}" for *_, a in found}
         return sorted(addresses)
     return [target]

@@ -103,7 +103,6 @@ class GradientClient:
             request_serializer=pb.StepRequest.SerializeToString,
             response_deserializer=pb.StepResponse.FromString,
         )
-        self._replicas = replica_addresses(target)
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._max_in_flight = max_in_flight
@@ -133,8 +132,13 @@ class GradientClient:
 
     @property
     def replicas(self) -> list[str]:
-        """The server addresses the target names (resolved when the client was made)."""
+        """The server addresses the target names (a dns: name resolved at first use, as
+        gRPC's channels resolve theirs: a client may be made before its Service exists)."""
         return list(self._replicas)
+
+    @functools.cached_property
+    def _replicas(self) -> list[str]:
+        return replica_addresses(self._target)
 
     @rpc_errors
     def list_models(self, *, timeout: float | None = None) -> list[str]:
