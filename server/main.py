@@ -13,12 +13,14 @@ from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import resolve, share
+from pergrad.server.admission.unparsed import Unparsed, request_bytes_limit
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.registry import ModelRegistry, load_model
-from pergrad.server.service import GradientServicer, add_to_server, max_request_bytes
+from pergrad.server.service import GradientServicer, add_to_server
+from pergrad.server.status import Refusal
 from pergrad.server.training import make_optimizer
 from pergrad.server.transport.auth import TokenAuthInterceptor, load_tokens
 from pergrad.server.transport.guard import CallGuard
@@ -129,7 +131,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     """Start serving gRPC and /metrics (port 0 picks a free one); returns at once."""
     registry = registry or build_registry(config)
     config = with_coalescing_resolved(config)
-    config = replace(config, max_request_bytes=max_request_bytes(config, registry))
+    config = replace(config, max_request_bytes=request_bytes_limit(config, registry))
     _LOGGER.info("--max-request-bytes %d", config.max_request_bytes)
     limits = resolve(config)
     metrics = ServerMetrics()
@@ -162,7 +164,8 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     )
     try:
         servicer = GradientServicer(registry, config, metrics, coalescers, admission)
-        grpc_servers = _start_grpc(config, limits, servicer, guard)
+        refusals = Unparsed(registry, config, metrics.weights_update_failed).by_method()
+        grpc_servers = _start_grpc(config, limits, servicer, refusals, guard)
     except BaseException:
         guard.close()
         endpoint.close()
@@ -193,7 +196,11 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
 
 
 def _start_grpc(
-    config: Config, limits: Mapping[str, int | float], servicer: GradientServicer, guard: CallGuard
+    config: Config,
+    limits: Mapping[str, int | float],
+    servicer: GradientServicer,
+    refusals: Mapping[str, Refusal],
+    guard: CallGuard,
 ) -> tuple[grpc.Server, grpc.Server | None, HealthService, int, int]:
     """(the service's server, health and reflection's own or None, the health servicer,
     the service's port, health and reflection's port), started."""
@@ -206,7 +213,7 @@ def _start_grpc(
         options=server_options(config),
         maximum_concurrent_rpcs=limits["grpc_calls"],
     )
-    add_to_server(servicer, server)
+    add_to_server(servicer, server, refusals)
     own = (
         _open_services_server(config, limits, servicer, guard)
         if config.open_services_port is not None

@@ -37,10 +37,10 @@ from pergrad.server.admission.limits import (
     share,
 )
 from pergrad.server.admission.pools import EVICTABLE_AFTER_S
+from pergrad.server.admission.unparsed import READ_UNPARSED_FROM
 from pergrad.server.main import RunningServer, build_registry, start
 from pergrad.server.models.builtin import LOSS
 from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_model
-from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.server.transport import metrics_http
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
+from pergrad.server.admission.unparsed import READ_UNPARSED_FROM
 from pergrad.server.main import RunningServer
-from pergrad.server.service import READ_UNPARSED_FROM
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2

@@ -17,12 +17,10 @@ from pergrad.client import GradientClient, ModelInfo, PergradError, ServerLimits
 from pergrad.server.config import AUTO_COALESCED_BATCH, AUTO_REQUEST_BYTES, Config
 from pergrad.server.main import SERVICE_NAME, RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
-from pergrad.server.models.registry import ModelRegistry, serve_model
-from pergrad.server.service import GradientServicer
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import CATALOGUE
 from pergrad.wire.chunks import Part, decode_response
-from pergrad.wire.codec import TensorAssembler, wire_dtype
+from pergrad.wire.codec import TensorAssembler
 from pergrad.wire.messages import gradients_request
 from tests import oracle
 from tests.helpers import KERAS_MODEL_NAME, assert_close, batch_for, loopback_config
@@ -413,50 +411,3 @@ def test_a_result_over_one_chunk_comes_in_chunks_even_asked_inline(server) -> No
     request.reduction = CATALOGUE.get("none").number  # 6 x 101,770 floats: 2.4 MB
     replies = _replies(server, request)
     assert not replies[0].header.data and len(replies) > 1 + len(replies[0].header.outputs)
-
-
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int64s take ten bytes, as protobuf sends them
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes([*out, value])
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _widest_header(name: str, variables: list[tuple[str, int, tuple[int, ...]]]) -> bytes:
-    """A WeightsMessage whose header has every field at its widest: versions of -1 (ten
-    bytes each) and every shape sent unpacked, one tag per dimension, as proto3 allows."""
-    specs = b"".join(
-        _field(
-            3,
-            _field(1, spec.encode())
-            + b"\x10"
-            + _varint(dtype)
-            + b"".join(b"\x18" + _varint(d) for d in shape),
-        )
-        for spec, dtype, shape in variables
-    )
-    header = _field(1, name.encode()) + b"\x10" + _varint(-1) + specs
-    header += b"\x20" + _varint(-1) + _field(5, b"0" * 32)
-    return _field(1, header)
-
-
-def test_a_legitimate_header_at_its_widest_is_not_refused_on_size() -> None:
-    """The bound on a SetWeights header's size leaves room for any client's encoding of
-    a served model's header."""
-    name = "mnist_mlp"
-    served = serve_model(name, BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
-    servicer = GradientServicer(ModelRegistry([served]), Config(max_coalesced_batch=0))
-    variables = [(v.name, wire_dtype(v.dtype), v.shape) for v in served.engine.variables]
-    data = _widest_header(name, variables)
-    parsed = pb.WeightsMessage.FromString(data).header
-    assert [tuple(t.shape) for t in parsed.tensors] == [shape for _, _, shape in variables]
-    assert parsed.model_version == parsed.new_version == -1
-    assert servicer.oversized_header(data) is None
-    padded = data + _field(1, _field(99, b"x" * 8192))  # the header grown past 8 KiB
-    assert servicer.oversized_header(padded) is not None
