@@ -8,6 +8,7 @@ For each size (mnist_mlp's 101,770 parameters; the GPT-2-shaped classifier's 14.
   fresh        the server's fresh noise (`secure_gaussians`: ChaCha20 keyed by getrandom)
   numpy rule   the contract's rule written in numpy with libm's ln, cos and sin (what
                the server ran before the compiled rule)
+  ChaCha20     `secure_bits` alone: the words fresh noise reads now (8 bytes an entry)
   getrandom    os.urandom of the bytes fresh noise used to read (4 an entry)
   PCG64        numpy's standard_normal in float32 (not the contract's stream; not secure)
 
@@ -32,6 +33,7 @@ from harness import interleaved_medians
 
 from pergrad.server.engine.reductions.random_streams import (
     gaussians,
+    secure_bits,
     secure_gaussians,
     stream_key,
 )
@@ -68,6 +70,7 @@ def main() -> None:
                 "seeded": lambda count=count: gaussians([key], [count]),
                 "fresh": lambda count=count: secure_gaussians([count]),
                 "numpy rule": lambda count=count: numpy_rule(key, count),
+                "ChaCha20": lambda count=count: secure_bits(count),
                 "getrandom": lambda count=count: os.urandom(4 * count),
                 "PCG64": lambda count=count: rng.standard_normal(count, np.float32),
             },

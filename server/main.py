@@ -142,21 +142,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     admission = Admission(
         max_examples=limits["inflight_examples"], max_bytes=limits["inflight_bytes"]
     )
-    tokens = config.auth_token_file is not None
-    guard = CallGuard(
-        stall_timeout_s=limits["stall_s"],
-        workers=limits["workers"],
-        max_calls=limits["calls"],
-        max_streams=limits["streams"],
-        max_open_calls=limits["open_calls"],
-        max_open_streams=limits["open_streams"],
-        max_watch_streams=limits["watch_streams"],
-        per_caller_streams=share(limits["streams"]) if tokens else None,
-        per_caller_calls=share(limits["calls"]) if tokens else None,
-        admission=admission,
-        on_stall=metrics.call_stalled,
-        on_refused_unread=metrics.call_refused_unread,
-    )
+    guard = _call_guard(config, limits, admission, metrics)
     coalescers = Coalescers(
         window_ms=config.batch_window_ms,
         max_coalesced_batch=config.max_coalesced_batch,
@@ -192,6 +178,31 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         open_server,
         open_port,
         limits,
+    )
+
+
+def _call_guard(
+    config: Config,
+    limits: Mapping[str, int | float],
+    admission: Admission,
+    metrics: ServerMetrics,
+) -> CallGuard:
+    """The guard admitting every call against the limits (per token where the server has
+    tokens)."""
+    tokens = config.auth_token_file is not None
+    return CallGuard(
+        stall_timeout_s=limits["stall_s"],
+        workers=limits["workers"],
+        max_calls=limits["calls"],
+        max_streams=limits["streams"],
+        max_open_calls=limits["open_calls"],
+        max_open_streams=limits["open_streams"],
+        max_watch_streams=limits["watch_streams"],
+        per_caller_streams=share(limits["streams"]) if tokens else None,
+        per_caller_calls=share(limits["calls"]) if tokens else None,
+        admission=admission,
+        on_stall=metrics.call_stalled,
+        on_refused_unread=metrics.call_refused_unread,
     )
 
 

@@ -4,7 +4,6 @@ data (float64 features and int64 labels, as numpy makes them)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import dp_accounting
@@ -35,7 +34,7 @@ def _snippets() -> list[tuple[int, str]]:
 SNIPPETS = _snippets()
 
 
-def _names(fresh_server: RunningServer) -> dict[str, Any]:
+def _names() -> dict[str, Any]:
     """What a snippet leaves to its reader: data shaped for mnist_mlp, a model of its own,
     a model of several inputs, the DP accountant's imports."""
     rng = np.random.default_rng(0)
@@ -64,8 +63,8 @@ def _names(fresh_server: RunningServer) -> dict[str, Any]:
 
 
 @pytest.fixture()
-def names(fresh_server: RunningServer) -> Iterator[dict[str, Any]]:
-    yield _names(fresh_server)
+def names() -> dict[str, Any]:
+    return _names()
 
 
 def test_the_readme_has_snippets_to_run() -> None:

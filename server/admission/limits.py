@@ -10,7 +10,7 @@ this one). A new bound is a row here, the code that enforces it, and its test.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -232,8 +232,6 @@ LIMITS: tuple[Limit, ...] = (
         "none",
     ),
 )
-
-BY_NAME: Mapping[str, Limit] = {limit.name: limit for limit in LIMITS}
 
 
 def resolve(config: Config) -> dict[str, int | float]:

@@ -142,7 +142,7 @@ def matrix_rows(
 def secure_bits(words: int) -> np.ndarray:
     """`words` random 64-bit words: ChaCha20's keystream under a key and nonce drawn from
     the operating system's secure source for this call alone (the construction the
-    kernel's own generator uses, at ~0.3 ns a byte here against getrandom's 3.3)."""
+    kernel's own generator uses: 0.7 ns a byte here, getrandom 3.4; `benchmarks/noise.py`)."""
     key, nonce = os.urandom(32), bytes(4) + os.urandom(12)  # block counter from 0
     out = np.empty(words + _CHACHA_SLACK_WORDS, np.uint64)
     Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update_into(
