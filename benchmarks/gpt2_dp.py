@@ -19,7 +19,16 @@ trainable), against the plain step of the same model with LoRA enabled the same 
 Memory: the server's peak RSS over its RSS once loaded, against what the plain step adds
 to a process's peak (each in a process of its own).
 
+`--phases`: where a DP step's time goes, in-process, each phase timed alone in turns
+(medians), beside the plain step's own phases: the forward pass, the tape gradient, Adam;
+the engine's pass with the clipped sum in it (no noise), its norms alone, fresh secure
+noise for every parameter, the server's Adam update (`Trainer.apply`) and the digest of
+the new weights. With each, the arithmetic a pass must do (multiply-adds of the dense
+layers' matrix products: forward, input gradient, weight gradient, ghost norms) to show
+what a DP step cannot avoid at this shape.
+
     python benchmarks/gpt2_dp.py [--batches 16 32] [--rounds 5] [--jit auto off] [--lora 0 4]
+    python benchmarks/gpt2_dp.py --phases [--batches 16] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -176,6 +185,107 @@ def plain_peak(size: int) -> None:
     print(json.dumps({"bytes": peak_rss_bytes() - before}))
 
 
+def _dense_shapes(model) -> list[tuple[int, int, int]]:
+    """(steps, inputs, outputs) of each kernel applied to every token (EinsumDense and
+    Dense on [B, T, I]); the head's kernel, on one token, as steps 1."""
+    out = []
+    for v in model.trainable_variables:
+        if len(v.shape) < 2 or "embedding" in v.path:
+            continue
+        inputs = v.shape[0]
+        outputs = int(np.prod(v.shape[1:]))
+        if len(v.shape) == 3 and "attention_output" in v.path:  # [heads, head_dim, hidden]
+            inputs, outputs = v.shape[0] * v.shape[1], v.shape[2]
+        out.append((1 if "head" in v.path else STEPS, inputs, outputs))
+    return out
+
+
+def arithmetic(model, size: int) -> dict[str, float]:
+    """Multiply-adds (G) of the matrix products each pass does over the batch's tokens:
+    forward, input gradient and weight gradient each B T I J per kernel; ghost norms
+    min(B T^2 (I + J), B T I J) (the Gram matrices or the per-example matrix)."""
+    dense = _dense_shapes(model)
+    product = sum(size * t * i * j for t, i, j in dense) / 1e9
+    ghost = sum(min(size * t * t * (i + j), size * t * i * j) for t, i, j in dense) / 1e9
+    return {"forward": product, "input_gradient": product, "weight_gradient": product,
+            "ghost_norms": ghost}  # fmt: skip
+
+
+def phases(size: int, rounds: int, jit: bool) -> dict[str, float]:
+    """Each phase of the plain step and of the server's DP step, in-process, timed alone."""
+    import keras
+    import tensorflow as tf
+
+    from pergrad.server.engine import Engine
+    from pergrad.server.engine.reductions.random_streams import secure_gaussians
+    from pergrad.server.optimizer_spec import parse_optimizer
+    from pergrad.server.training import Trainer
+    from pergrad.server.weights import weights_id
+
+    model, loss = build()
+    x, y = batch(size)
+    variables = model.trainable_variables
+    tx, ty = {k: tf.constant(v) for k, v in x.items()}, tf.constant(y)
+
+    @tf.function(jit_compile=jit)
+    def forward(x, y):
+        return loss(y, model(x, training=False))
+
+    @tf.function(jit_compile=jit)
+    def gradient(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=False))
+        return tape.gradient(value, variables)
+
+    optimizer = keras.optimizers.Adam(1e-4)
+    optimizer.build(variables)
+    grads = gradient(tx, ty)
+
+    @tf.function(jit_compile=jit)
+    def adam(grads):
+        optimizer.apply(grads, variables)
+
+    engine = Engine(model, loss=loss, jit_compile=jit)
+    data = engine.batch(x, y)
+    counts = [int(np.prod(v.shape)) for v in variables]
+    trainer = Trainer(model, parse_optimizer("adam"))
+    weights = [tf.identity(v.value) for v in variables]
+    dense = [tf.convert_to_tensor(g) for g in grads]  # the embedding's come as slices
+    state = trainer.apply(weights, None, dense, 1e-4).state
+    arrays = [w.numpy() for w in weights]
+    methods = {
+        "plain forward": lambda: forward(tx, ty),
+        "plain tape gradient": lambda: gradient(tx, ty),
+        "plain Adam": lambda: adam(grads),
+        "engine norms": lambda: engine.compute(data, reduction="norms"),
+        "engine clipped sum, no noise": lambda: engine.compute(
+            data, reduction="clipped_sum", max_norm=1.0, noise_multiplier=0.0
+        ),
+        "fresh secure noise": lambda: secure_gaussians(counts),
+        "server Adam (Trainer.apply)": lambda: trainer.apply(weights, state, dense, 1e-4),
+        "weights digest": lambda: weights_id(engine.variables, arrays),
+    }
+    return _medians(methods, rounds)
+
+
+def print_phases(sizes: list[int], rounds: int, jits: list[str]) -> None:
+    model, _ = build()
+    for jit in jits:
+        for size in sizes:
+            m = phases(size, rounds, jit != "off")
+            plain = m["plain tape gradient"] + m["plain Adam"]
+            print(f"\n### B={size}, XLA {'on' if jit != 'off' else 'off'}: "
+                  f"plain step's phases {1000 * plain:.0f} ms\n")  # fmt: skip
+            print("| phase | ms | / plain step |")
+            print("| --- | ---: | ---: |")
+            for name, seconds in m.items():
+                print(f"| {name} | {1000 * seconds:.1f} | {seconds / plain:.2f} |")
+            work = arithmetic(model, size)
+            print("\n| matrix products | G multiply-adds |\n| --- | ---: |")
+            for name, amount in work.items():
+                print(f"| {name} | {amount:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -184,8 +294,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--jit", nargs="+", default=["auto", "off"])
     parser.add_argument("--lora", type=int, nargs="+", default=[0, LORA_RANK], help="0: none")
+    parser.add_argument("--phases", action="store_true", help="in-process phases only")
     parser.add_argument("--plain-peak", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.phases:
+        print_phases(args.batches, args.rounds, args.jit)
+        return
     if args.plain_peak:
         plain_peak(args.plain_peak)
         return

@@ -110,6 +110,17 @@ def test_secure_gaussians_are_standard_normal_and_fresh() -> None:
     assert not np.array_equal(second, random_streams.secure_gaussians([4])[0])
 
 
+def test_fresh_noise_made_on_every_core_repeats_no_block(monkeypatch) -> None:
+    """Blocks made on several cores at once each draw their own words: a scratch buffer
+    shared between cores, or a key reused, would repeat or mix a block."""
+    monkeypatch.setattr(box_muller, "BLOCK_WORDS", box_muller.SMALLEST_WORDS)
+    (noise,) = random_streams.secure_gaussians([16 * 2 * box_muller.SMALLEST_WORDS])
+    blocks = noise.reshape(16, -1)
+    assert len({block.tobytes() for block in blocks}) == 16
+    assert np.all(np.abs(blocks.mean(axis=1)) < 0.15)
+    assert np.all(np.abs(blocks.std(axis=1) - 1) < 0.1)
+
+
 def test_fresh_noise_reaches_the_tails_of_53_bit_uniforms() -> None:
     """The smallest pair of words gives u1 = 2^-53 and t = 0, the largest u1 = 1: entries
     (sqrt(-2 ln 2^-53), 0) and (0, 0), past the contract's 32-bit bound of 6.8."""
