@@ -145,7 +145,8 @@ def _grads(args: argparse.Namespace) -> int:
             start += result.batch_size
             progress.update(result.batch_size)
         progress.close()
-    np.savez(args.out, **written.arrays)
+    arrays: dict[str, Any] = written.arrays  # savez's stub types allow_pickle among them
+    np.savez(args.out, **arrays)
     count = len(written.arrays) - 1
     print(f"wrote {args.out}: {len(y)} examples, {count} arrays ({args.reduction})")
     return 0

@@ -44,13 +44,17 @@ def security(args: argparse.Namespace) -> Security:
         token = _read(args.token_file, "--token-file").decode().strip()
         if not token:
             raise SystemExit(f"pergrad: --token-file {args.token_file!r} is empty")
-    pem = {
-        "root_certificates": (args.tls_ca, "--tls-ca"),
-        "certificate_chain": (args.tls_cert, "--tls-cert"),
-        "private_key": (args.tls_key, "--tls-key"),
-    }
-    found = {key: _read(path, flag) for key, (path, flag) in pem.items() if path}
-    return Security.of(tls=args.tls, token=token, **found)
+
+    def pem(path: str | None, flag: str) -> bytes | None:
+        return _read(path, flag) if path else None
+
+    return Security.of(
+        tls=args.tls,
+        token=token,
+        root_certificates=pem(args.tls_ca, "--tls-ca"),
+        certificate_chain=pem(args.tls_cert, "--tls-cert"),
+        private_key=pem(args.tls_key, "--tls-key"),
+    )
 
 
 def connect(args: argparse.Namespace) -> GradientClient:

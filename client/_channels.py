@@ -98,6 +98,11 @@ def _dns_host(target: str) -> str | None:
     return host.split("/", 1)[1] if "/" in host else host
 
 
+def _address(host: str, port: int) -> str:
+    """host:port, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def replica_addresses(target: str) -> list[str]:
     """Every server `target` names: the list of an ipv4:/ipv6: target, the A records of
     a dns: target, else the target itself."""
@@ -116,6 +121,5 @@ def replica_addresses(target: str) -> list[str]:
                 f"{target!r}: cannot resolve {host!r} ({err.strerror}); check the name, or "
                 "call from where it resolves (a headless Service's: inside its cluster)",
             ) from None
-        addresses = {f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}" for *_, a in found}
-        return sorted(addresses)
+        return sorted({_address(str(a[0]), int(a[1])) for *_, a in found})
     return [target]

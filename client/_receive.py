@@ -61,26 +61,26 @@ def read_results(
 ) -> Iterator[tuple[int, GradientResult]]:
     """(request_id, result) for each complete result, in order; `out`'s arrays are
     refilled if given. Any fault of the stream is a PergradError with DATA_LOSS."""
-    assembler: TensorAssembler | None = None
-    header, request_id = None, 0
+    current: tuple[pb.ResultHeader, TensorAssembler] | None = None  # a result under way
+    request_id = 0
     with answer_checked(""):
         for message in responses:
             part = decode_response(message)
             if part.header is not None:
-                if assembler is not None:
+                if current is not None:
                     raise CodecError(f"result {request_id} ended before all its bytes arrived")
                 header, request_id = part.header, part.request_id
                 check_header(header, expect(request_id))
                 into = _arrays_of(out, header) if out is not None else None
-                assembler = TensorAssembler([o.tensor for o in header.outputs], into=into)
+                current = header, TensorAssembler([o.tensor for o in header.outputs], into=into)
                 if header.data:
-                    assembler.add_inline(header.data)
-            elif assembler is None or part.chunk is None or part.request_id != request_id:
+                    current[1].add_inline(header.data)
+            elif current is None or part.chunk is None or part.request_id != request_id:
                 raise CodecError("chunk without a header for its request")
             else:
-                assembler.add_raw(*part.chunk)
-            if assembler is not None and assembler.complete:
-                yield request_id, result_from_arrays(header, assembler.arrays())
-                assembler = None
-        if assembler is not None:
+                current[1].add_raw(*part.chunk)
+            if current is not None and current[1].complete:
+                yield request_id, result_from_arrays(current[0], current[1].arrays())
+                current = None
+        if current is not None:
             raise CodecError(f"stream ended inside result {request_id}")

@@ -17,7 +17,7 @@ from pergrad.client._spread import merged, part_slices
 from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import rows
-from pergrad.wire.results import GradientResult
+from pergrad.wire.results import ExpectedOutput, GradientResult
 
 
 def pipelined(
@@ -63,7 +63,7 @@ def pipelined(
         except PergradError as err:
             failures.append(err)
 
-    def expect(request_id: int):
+    def expect(request_id: int) -> list[tuple[ExpectedOutput, np.dtype | None]]:
         if request_id not in sizes:
             raise data_loss(f"result for request {request_id}, which was not sent")
         return call.expected(info, sizes.pop(request_id))

@@ -49,6 +49,7 @@ class LocalServer:
             text=True,
         )
         self.log: deque[str] = deque(maxlen=LOG_TAIL)
+        assert self.process.stderr is not None  # stderr=PIPE
         for line in self.process.stderr:
             if match := READY.search(line):
                 self.target, self.metrics_url = match.group(1), match.group(4)

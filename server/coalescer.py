@@ -287,7 +287,7 @@ class Coalescers:
         self,
         *,
         window_ms: float,
-        max_coalesced_batch: int,
+        max_coalesced_batch: int | None,  # None: unresolved (`Config.coalescing_bound`)
         on_pass: Callable[[str, int], None] | None = None,
     ) -> None:
         if max_coalesced_batch is None:

@@ -137,6 +137,7 @@ class Config:
 
 def _validate_ports(config: Config) -> None:
     """Each port in range, and the three apart (metrics' derived from --port's)."""
+    assert config.metrics_port is not None  # derived in __post_init__ where unset
     for flag, port in [
         ("--port", config.port),
         ("--metrics-port", config.metrics_port),

@@ -9,9 +9,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-JIT_CHOICES = {"auto": "auto", "on": True, "off": False}
+JIT_CHOICES: dict[str, bool | Literal["auto"]] = {"auto": "auto", "on": True, "off": False}
 # /metrics listens on the gRPC port + METRICS_PORT_OFFSET unless told otherwise: away from
 # Prometheus' own 9090 and from the exporter range 9100-9999 (all allocated; the Prometheus
 # docs advise other applications to stay outside it), and two servers on one host with

@@ -128,6 +128,7 @@ def _decode_batch(
         raise InvalidArgument("inputs: missing")
     if not request.HasField("labels"):
         raise InvalidArgument("labels: missing")
+    x: np.ndarray | dict[str, np.ndarray]
     if request.named_inputs:
         x = {
             name: _decode(tensor, f"inputs[{quoted(name)}]", max_batch)

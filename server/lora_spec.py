@@ -11,7 +11,9 @@ keras-hub backbones, such as a classifier's head). Everything else is frozen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 
 class LoraSpecError(ValueError):
@@ -55,7 +57,10 @@ def parse_lora(text: str) -> LoraSpec:
     )
 
 
-def _number(text: str, key: str, value: str, kind: type) -> int | float:
+Number = TypeVar("Number", int, float)
+
+
+def _number(text: str, key: str, value: str, kind: Callable[[str], Number]) -> Number:
     try:
         number = kind(value)
     except ValueError:

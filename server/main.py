@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.admission.limits import resolve, share
+from pergrad.server.admission.limits import Capacities, resolve, share
 from pergrad.server.admission.unparsed import Unparsed, request_bytes_limit
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
@@ -76,7 +76,7 @@ class RunningServer:
     open_server: grpc.Server | None
     open_port: int
     # Each bound's capacity (`admission.limits`), as this server resolved them.
-    limits: Mapping[str, int | float]
+    limits: Capacities
 
     @property
     def metrics_port(self) -> int:
@@ -112,13 +112,13 @@ def build_registry(config: Config) -> ModelRegistry:
     )
 
 
-def server_options(config: Config) -> list[tuple[str, int]]:
+def server_options(config: Config, limits: Capacities) -> list[tuple[str, int]]:
     """Message limits, and a keepalive policy that admits the client's pings (one a
     minute, `pergrad.client._channels`); connections end after max_connection_age so
     clients re-resolve and spread over replicas added since."""
     age_ms = int(1000 * config.max_connection_age_s)
     return [
-        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_receive_message_length", limits.count("request_bytes")),
         ("grpc.max_send_message_length", -1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 0),
@@ -138,9 +138,10 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     metrics.limits_set(limits)
     for name in registry.names:
         metrics.model_served(name, registry.get(name).weights.current.version)
+    assert config.metrics_port is not None  # derived in Config.__post_init__ where unset
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
     admission = Admission(
-        max_examples=limits["inflight_examples"], max_bytes=limits["inflight_bytes"]
+        max_examples=limits.count("inflight_examples"), max_bytes=limits.count("inflight_bytes")
     )
     guard = _call_guard(config, limits, admission, metrics)
     coalescers = Coalescers(
@@ -183,7 +184,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
 
 def _call_guard(
     config: Config,
-    limits: Mapping[str, int | float],
+    limits: Capacities,
     admission: Admission,
     metrics: ServerMetrics,
 ) -> CallGuard:
@@ -192,14 +193,14 @@ def _call_guard(
     tokens = config.auth_token_file is not None
     return CallGuard(
         stall_timeout_s=limits["stall_s"],
-        workers=limits["workers"],
-        max_calls=limits["calls"],
-        max_streams=limits["streams"],
-        max_open_calls=limits["open_calls"],
-        max_open_streams=limits["open_streams"],
-        max_watch_streams=limits["watch_streams"],
-        per_caller_streams=share(limits["streams"]) if tokens else None,
-        per_caller_calls=share(limits["calls"]) if tokens else None,
+        workers=limits.count("workers"),
+        max_calls=limits.count("calls"),
+        max_streams=limits.count("streams"),
+        max_open_calls=limits.count("open_calls"),
+        max_open_streams=limits.count("open_streams"),
+        max_watch_streams=limits.count("watch_streams"),
+        per_caller_streams=share(limits.count("streams")) if tokens else None,
+        per_caller_calls=share(limits.count("calls")) if tokens else None,
         admission=admission,
         on_stall=metrics.call_stalled,
         on_refused_unread=metrics.call_refused_unread,
@@ -208,7 +209,7 @@ def _call_guard(
 
 def _start_grpc(
     config: Config,
-    limits: Mapping[str, int | float],
+    limits: Capacities,
     servicer: GradientServicer,
     refusals: Mapping[str, Refusal],
     guard: CallGuard,
@@ -218,11 +219,11 @@ def _start_grpc(
     server = grpc.server(
         # A thread per call admitted: waiting for a request takes one; computing takes
         # one of the guard's --workers permits besides (`CallGuard`).
-        futures.ThreadPoolExecutor(max_workers=limits["calls"]),
+        futures.ThreadPoolExecutor(max_workers=limits.count("calls")),
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(servicer.metrics), *_auth_interceptors(config), guard],
-        options=server_options(config),
-        maximum_concurrent_rpcs=limits["grpc_calls"],
+        options=server_options(config, limits),
+        maximum_concurrent_rpcs=limits.count("grpc_calls"),
     )
     add_to_server(servicer, server, refusals)
     own = (
@@ -254,7 +255,7 @@ def _start_grpc(
 
 def _open_services_server(
     config: Config,
-    limits: Mapping[str, int | float],
+    limits: Capacities,
     servicer: GradientServicer,
     guard: CallGuard,
 ) -> grpc.Server:
@@ -266,16 +267,16 @@ def _open_services_server(
     one caller's silent calls cannot keep every place from a kubelet's probe); the
     service's port then serves nothing a caller without a token can reach."""
     own = {
-        "grpc.max_receive_message_length": limits["open_request_bytes"],
-        "grpc.max_concurrent_streams": limits["open_connection_calls"],
+        "grpc.max_receive_message_length": limits.count("open_request_bytes"),
+        "grpc.max_concurrent_streams": limits.count("open_connection_calls"),
     }
-    options = [*{**dict(server_options(config)), **own}.items()]
+    options = [*{**dict(server_options(config, limits)), **own}.items()]
     return grpc.server(
         # refusals; calls run on the guard's pools
-        futures.ThreadPoolExecutor(max_workers=limits["open_calls"]),
+        futures.ThreadPoolExecutor(max_workers=limits.count("open_calls")),
         interceptors=[MetricsInterceptor(servicer.metrics), guard],
         options=options,
-        maximum_concurrent_rpcs=limits["open_grpc_calls"],
+        maximum_concurrent_rpcs=limits.count("open_grpc_calls"),
     )
 
 

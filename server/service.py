@@ -173,7 +173,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         served.weights.check(
             [(t.name, numpy_dtype(t.dtype), tuple(t.shape)) for t in header.tensors]
         )
-        versions = {
+        versions: dict[str, Any] = {
             "expected_version": header.model_version,
             "expected_id": header.weights_id,
             "new_version": header.new_version,
@@ -190,14 +190,14 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     @status
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.GradientsResponse]:
+    ) -> Iterator[pb.GradientsResponse | bytes]:
         messages = self._gradients(request, context, held_bytes=request_bytes(context, request))
         yield from tracked(self.metrics, request, messages, context)
 
     @status
     def StreamPerExampleGradients(
         self, request_iterator: Iterator[pb.GradientsRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.GradientsResponse]:
+    ) -> Iterator[pb.GradientsResponse | bytes]:
         for request in request_iterator:
             try:
                 messages = self._gradients(request, context)

@@ -80,7 +80,7 @@ _CONTENT_ERRORS = (InvalidArgument, NotFound, RequestTooLarge, CodecError, Optio
 Refusal = Callable[[bytes], PergradServerError | None]
 
 
-def parser(message_class: type, refuse: Refusal | None = None) -> Callable[[bytes], Any]:
+def parser(message_class: type[Message], refuse: Refusal | None = None) -> Callable[[bytes], Any]:
     """Deserializer that hands malformed bytes to the handler instead of failing in gRPC,
     which would answer INTERNAL; the handler answers INVALID_ARGUMENT. `refuse`, if
     given, looks at the bytes first: an error it gives refuses them unparsed."""

@@ -64,9 +64,11 @@ def apply_step(
         _positive(request.expected_batch_size, "expected_batch_size")
     with served.trainer.turn(cancelled):
         snapshot = served.weights.get(request.model_version, request.weights_id)
-        result = None
+        result: GradientResult | None = None
+        total: Mapping[str, np.ndarray]
         if given:
             total = _given_sum(served, request.gradient_sum)
+            divisor = request.expected_batch_size
         else:
             result, total = _batch_sum(
                 served,
@@ -78,7 +80,7 @@ def apply_step(
                 caller=caller,
                 held_bytes=held_bytes,
             )
-        divisor = request.expected_batch_size or result.batch_size
+            divisor = request.expected_batch_size or result.batch_size
         gradient = _divided(served, total, divisor)
         stepped = served.trainer.apply(
             snapshot.trainable, snapshot.optimizer_state, gradient, learning_rate
@@ -102,7 +104,10 @@ def _batch_sum(
     snapshot: Snapshot,
     settings: Settings,
     admission: Admission,
-    **call: object,
+    *,
+    cancelled: Callable[[], bool],
+    caller: str,
+    held_bytes: int,
 ) -> tuple[GradientResult, Mapping[str, np.ndarray]]:
     """The batch's result at `snapshot`, and its gradient sum."""
     owned = [f for f in _STEP_OWNED if _is_set(batch, f)]
@@ -112,7 +117,8 @@ def _batch_sum(
     name = work.asked.reduction.name
     if name not in STEP_SUMS:
         raise InvalidArgument(f"batch.reduction: a step applies {sorted(STEP_SUMS)}, got {name}")
-    result = reduced(dataclasses.replace(work, snapshot=snapshot), admission, **call)
+    work = dataclasses.replace(work, snapshot=snapshot)
+    result = reduced(work, admission, cancelled=cancelled, caller=caller, held_bytes=held_bytes)
     return result, getattr(result, STEP_SUMS[name])
 
 

@@ -157,7 +157,7 @@ class Trainer:
         finally:
             self._turns.release()
 
-    def _build(self) -> None:
+    def _build(self) -> FlatCall:
         # Zeros, not the model's values: a variable made from another may share its
         # buffer, which the optimizer's in-place updates would then change under it.
         self._shadows = [
@@ -170,6 +170,7 @@ class Trainer:
         self._step = FlatCall(
             tf.function(self._apply, input_signature=signature, autograph=False, jit_compile=True)
         )
+        return self._step
 
     def _fresh_state(self, weights: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The state a new optimizer builds for these weights: some start from them
@@ -209,9 +210,8 @@ class Trainer:
     ) -> Stepped:
         """The weights and state after one step from `weights` and `state` (None: fresh);
         called in the step's `turn`."""
-        if self._step is None:
-            self._build()
-        new_weights, new_state, moved, finite, norm = self._step(
+        step = self._step or self._build()
+        new_weights, new_state, moved, finite, norm = step(
             list(weights),
             list(self._fresh_state(weights) if state is None else state),
             list(gradient),

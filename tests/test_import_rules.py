@@ -250,6 +250,7 @@ LEAF_SHARED = (
     "pergrad.server.engine.cores",
     "pergrad.server.engine.grads",
     "pergrad.server.engine.layers",
+    "pergrad.server.engine.slices",
     "pergrad.server.errors",
 )
 LEAF_NEVER = ("grpc", "google.protobuf")

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 
 class CastError(ValueError):
@@ -31,7 +32,7 @@ def dtype_named(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def cast(array: Any, dtype: np.dtype | str, *, what: str) -> np.ndarray:
+def cast(array: Any, dtype: DTypeLike, *, what: str) -> np.ndarray:
     """`array` as a C-contiguous array of `dtype`; CastError names `what` otherwise."""
     array, dtype = np.asarray(array), np.dtype(dtype)
     if array.dtype == dtype:

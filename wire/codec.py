@@ -15,11 +15,12 @@ import numpy as np
 
 from pergrad.v1 import tensor_pb2 as pb
 from pergrad.wire.casting import dtype_named
+from pergrad.wire.chunks import RawChunk
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 # numpy's names (little-endian on every platform numpy's wheels serve); bfloat16 is ml_dtypes'.
-_WIRE_DTYPES: dict[str, int] = {
+_WIRE_DTYPES: dict[str, pb.DataType] = {
     "float32": pb.DATA_TYPE_FLOAT32,
     "float64": pb.DATA_TYPE_FLOAT64,
     "float16": pb.DATA_TYPE_FLOAT16,
@@ -46,13 +47,13 @@ def numpy_dtype(code: int) -> np.dtype:
         raise CodecError(f"unsupported dtype {name}; supported: {supported}") from None
 
 
-def wire_dtype(dtype: np.dtype | str | type) -> int:
+def wire_dtype(dtype: np.dtype | str | type) -> pb.DataType:
     """The wire DataType for a numpy dtype."""
     return _wire_code(np.dtype(dtype))
 
 
 @functools.lru_cache(maxsize=64)
-def _wire_code(dtype: np.dtype) -> int:
+def _wire_code(dtype: np.dtype) -> pb.DataType:
     """Cached: numpy makes a dtype's `name` afresh each time (4 us here, six per result
     header)."""
     try:
@@ -69,7 +70,7 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 def _byte_view(array: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array (via uint8: the buffer protocol has no bfloat16)."""
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 def encode_tensor(array: np.ndarray) -> pb.Tensor:
@@ -124,7 +125,7 @@ def wire_bytes(array: np.ndarray) -> memoryview:
 
 def iter_raw_chunks(
     index: int, array: np.ndarray, *, start: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[tuple[int, int, memoryview]]:
+) -> Iterator[RawChunk]:
     """(tensor index, byte offset, bytes) pieces of `array`, the first at byte `start`.
 
     `start` lets a slice of examples fill its place in the whole tensor: the rows of a
@@ -132,7 +133,7 @@ def iter_raw_chunks(
     """
     data = wire_bytes(array)
     for offset in range(0, len(data), chunk_bytes):
-        yield index, start + offset, data[offset : offset + chunk_bytes]
+        yield RawChunk(index, start + offset, data[offset : offset + chunk_bytes])
 
 
 def iter_chunks(

@@ -147,6 +147,6 @@ def _entry_key(reader: Reader, entry: Field) -> str:
     if not keys:
         return ""
     try:
-        return reader.data[keys[-1].start : keys[-1].end].decode()
+        return bytes(reader.data[keys[-1].start : keys[-1].end]).decode()
     except UnicodeDecodeError as err:
         raise Unreadable("a key that is not UTF-8") from err

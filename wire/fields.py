@@ -44,7 +44,7 @@ class Field(NamedTuple):
     end: int  # the offset after the field
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
+def _varint(data: bytes | memoryview, at: int) -> tuple[int, int]:
     """The varint at `at` and the offset after it (IndexError or ValueError where none
     ends)."""
     value = shift = 0
@@ -58,7 +58,17 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
     raise ValueError("varint of over 10 bytes")
 
 
-def _field(data: bytes, at: int) -> Field:
+def encode_varint(value: int) -> bytes:
+    """`value` as a varint, as protobuf writes it (a negative int64 in ten bytes)."""
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
+
+
+def _field(data: bytes | memoryview, at: int) -> Field:
     """The field starting at `at` (IndexError or ValueError where the bytes end or none
     starts; Unreadable at a group, whose end only parsing it finds)."""
     key, at = _varint(data, at)
@@ -89,7 +99,7 @@ class Reader:
     reading nests (Unreadable past them), so no layout of small fields makes the
     reading cost more than a few ms."""
 
-    def __init__(self, data: bytes, budget: int = MAX_SCANNED) -> None:
+    def __init__(self, data: bytes | memoryview, budget: int = MAX_SCANNED) -> None:
         self.data = data
         self._budget = self._left = budget
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -39,13 +39,19 @@ class Asked:
     options: CheckedOptions
 
 
+def _enum(option: Option) -> Any:  # protobuf's EnumDescriptor, pure-Python or upb's
+    enum = _REQUEST_FIELDS[option.field].enum_type
+    assert enum is not None, f"{option.field} is declared an enum option"
+    return enum
+
+
 def _enum_number(option: Option, choice: str) -> int:
-    values = _REQUEST_FIELDS[option.field].enum_type.values_by_name
+    values = _enum(option).values_by_name
     return values[option.enum_prefix + choice.upper()].number
 
 
 def _enum_choice(option: Option, number: int) -> str:
-    values = _REQUEST_FIELDS[option.field].enum_type.values_by_number
+    values = _enum(option).values_by_number
     if number not in values:
         raise OptionError(f"{option.field}: unknown value {number}")
     return values[number].name.removeprefix(option.enum_prefix).lower()
@@ -83,7 +89,7 @@ def gradients_request(
         weights_id=weights_id,
         labels=encode_tensor(y),
         request_id=request_id,
-        reduction=reduction.number,
+        reduction=cast(pb.Reduction, reduction.number),  # the enum's value, as an int
         variables=list(variables or ()),
         inline_result=True,
     )

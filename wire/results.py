@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -111,6 +111,16 @@ class ExpectedOutput:
     @property
     def field(self) -> str:
         return self.output.field
+
+    @overload
+    def dtype(
+        self, variables: Mapping[str, np.dtype], wire: str | None, loss: np.dtype
+    ) -> np.dtype: ...
+
+    @overload
+    def dtype(
+        self, variables: Mapping[str, np.dtype], wire: str | None, loss: None
+    ) -> np.dtype | None: ...
 
     def dtype(
         self, variables: Mapping[str, np.dtype], wire: str | None, loss: np.dtype | None

@@ -234,9 +234,20 @@ LIMITS: tuple[Limit, ...] = (
 )
 
 
-def resolve(config: Config) -> dict[str, int | float]:
+class Capacities(dict[str, int | float]):
+    """Each bound's capacity under one configuration, by name: counts (places, bytes,
+    examples) and, for the bounds of time, seconds."""
+
+    def count(self, name: str) -> int:
+        value = self[name]
+        if not isinstance(value, int):
+            raise TypeError(f"limit {name!r} is {value!r}, not a count")
+        return value
+
+
+def resolve(config: Config) -> Capacities:
     """Each bound's capacity under `config` (its --max-request-bytes resolved already)."""
-    return {limit.name: limit.capacity(config) for limit in LIMITS}
+    return Capacities({limit.name: limit.capacity(config) for limit in LIMITS})
 
 
 _COLUMNS = ("bound", "what it bounds", "set by", "a caller's share", "held", "when full", "status")

@@ -167,7 +167,7 @@ class CompiledPass:
         real = np.zeros(y.shape[0], np.float32)
         real[:count] = 1
         losses, outputs = function(list(weights), list(xs), y, real, np.float32(max_norm))
-        result = {"squares": host(outputs["squares"])[:, :count]}
+        result: dict[str, Any] = {"squares": host(outputs["squares"])[:, :count]}
         if "sums" in outputs:
             result["sums"] = [host(t) for t in outputs["sums"]]
         return host(losses)[:count], result

@@ -401,7 +401,8 @@ class Engine:
     ) -> GradientResult:
         """`batch`'s passes fed to `sink` (in the pass itself where the sink can); its
         result. `compute` with the sink made already."""
-        if sink.in_pass is None:
+        in_pass = sink.in_pass
+        if in_pass is None or not isinstance(sink, Reduced):
             for part in self.slices(batch, trainable):
                 _stop_if(cancelled, part.start, batch.size)
                 sink.add(part.start, part.losses, part.grads)
@@ -411,7 +412,7 @@ class Engine:
             _stop_if(cancelled, start, batch.size)
             xs, y = batch.rows(slice(start, start + self.slice_size))
             try:
-                losses, outputs = self._pass.reduced(sink.in_pass, weights, xs, y, sink.max_norm)
+                losses, outputs = self._pass.reduced(in_pass, weights, xs, y, sink.max_norm)
             except tf.errors.InvalidArgumentError as err:
                 raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
             sink.add_in_pass(start, losses, outputs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import tensorflow as tf
@@ -40,7 +40,7 @@ class Tied(NamedTuple):
     projection: Outer
 
 
-Grad = tf.Tensor | Outer | Scatter | Tied
+Grad: TypeAlias = tf.Tensor | Outer | Scatter | Tied
 Factored = (Outer, Scatter, Tied)
 
 
@@ -58,15 +58,28 @@ def combine(grads: Sequence[Grad]) -> Grad:
     """The gradient of a layer called several times: the sum over its calls."""
     if len(grads) == 1:
         return grads[0]
-    if all(isinstance(g, Outer) for g in grads):
-        return Outer(tf.concat([g.a for g in grads], 1), tf.concat([g.g for g in grads], 1))
-    if all(isinstance(g, Scatter) for g in grads):
-        return Scatter(tf.concat([g.ids for g in grads], 1), tf.concat([g.g for g in grads], 1))
     lookups = [g for g in grads if isinstance(g, Scatter)]
     projections = [g for g in grads if isinstance(g, Outer)]
-    if lookups and projections and len(lookups) + len(projections) == len(grads):
-        return Tied(combine(lookups), combine(projections))
-    return tf.add_n(list(grads))
+    if len(lookups) + len(projections) < len(grads):
+        return tf.add_n(list(grads))
+    if not lookups:
+        return _joined_outer(projections)
+    if not projections:
+        return _joined_scatter(lookups)
+    return Tied(_joined_scatter(lookups), _joined_outer(projections))
+
+
+def _joined_outer(calls: Sequence[Outer]) -> Outer:
+    """Several calls' Outer factors as one, their steps side by side."""
+    if len(calls) == 1:
+        return calls[0]
+    return Outer(tf.concat([c.a for c in calls], 1), tf.concat([c.g for c in calls], 1))
+
+
+def _joined_scatter(calls: Sequence[Scatter]) -> Scatter:
+    if len(calls) == 1:
+        return calls[0]
+    return Scatter(tf.concat([c.ids for c in calls], 1), tf.concat([c.g for c in calls], 1))
 
 
 def _fill_outer(a: np.ndarray, g: np.ndarray, out: np.ndarray) -> None:
@@ -113,14 +126,14 @@ def host(tensor: tf.Tensor) -> np.ndarray:
 def to_numpy(grad: Grad) -> Grad:
     """The same gradient with numpy arrays (`host`) in place of tensors."""
     if isinstance(grad, Factored):
-        return type(grad)(*(to_numpy(t) for t in grad))
+        return type(grad)._make(to_numpy(t) for t in grad)
     return host(grad)
 
 
 def rows(grad: Grad, part: slice) -> Grad:
     """The examples `part` of a numpy gradient."""
     if isinstance(grad, Factored):
-        return type(grad)(*(rows(t, part) for t in grad))
+        return type(grad)._make(rows(t, part) for t in grad)
     return grad[part]
 
 

@@ -109,8 +109,7 @@ def _same_rows(
     part = slice(0, count)
     pairs = [(got[0], want[0])]
     for mine, theirs in zip(got[1], want[1], strict=True):
-        factored = isinstance(mine, tuple)
-        pairs += zip(mine if factored else [mine], theirs if factored else [theirs], strict=True)
+        pairs += zip(tf.nest.flatten(mine), tf.nest.flatten(theirs), strict=True)
     return all(np.array_equal(a[part], b[part]) for a, b in pairs)
 
 
@@ -153,11 +152,12 @@ def shared_rows(
     rows are not yet reduced: each caller reduces its own (`Rows.into`), beside the others."""
     sizes = sizes or (granule,)
     weights = engine.weights(trainable)
-    outcome: list[Rows | Exception | None] = [None] * len(jobs)
+    outcome: dict[int, Rows | Exception] = {}
     for pack in packs([job.batch.size for job in jobs], granule):
         live = []
         for i in pack:
-            if jobs[i].cancelled is not None and jobs[i].cancelled():
+            cancelled = jobs[i].cancelled
+            if cancelled is not None and cancelled():
                 outcome[i] = Cancelled("call cancelled or past its deadline before its pass")
             else:
                 live.append(i)
@@ -176,7 +176,7 @@ def shared_rows(
                     outcome[i] = _pass(engine, weights, [jobs[i]], sizes)[0]
                 except InvalidArgument as own:
                     outcome[i] = own
-    return outcome
+    return [outcome[i] for i in range(len(jobs))]
 
 
 def _pass(

@@ -6,14 +6,19 @@ models, which import the engine.
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
+import tensorflow as tf
 
 
 @keras.saving.register_keras_serializable(package="pergrad")
 class PositionEmbedding(keras.layers.Layer):
     """Adds a learned vector per position to a [B, T, D] sequence."""
 
-    def __init__(self, initializer: keras.initializers.Initializer | None = None, **kwargs):
+    def __init__(
+        self, initializer: keras.initializers.Initializer | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.initializer = keras.initializers.get(initializer or "glorot_uniform")
 
@@ -22,7 +27,7 @@ class PositionEmbedding(keras.layers.Layer):
             shape=tuple(input_shape[1:]), initializer=self.initializer, name="positions"
         )
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         return inputs + self.positions[None]
 
     def get_config(self) -> dict:

@@ -34,7 +34,7 @@ class LabelSpec:
     """What labels a loss needs: dtype, shape without the batch, and the class count."""
 
     dtype: np.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]  # None: an axis of any size (a causal LM's steps)
     num_classes: int
 
 
@@ -82,14 +82,15 @@ class PerExampleLoss:
         (a causal LM's time steps) stays None. The classes, a class-index loss's last axis,
         must have a size."""
         per_example = tuple(None if d is None else int(d) for d in output_shape[1:])
-        if self.uses_class_indices and per_example and per_example[-1] is None:
+        if not self.uses_class_indices:
+            return LabelSpec(np.dtype(output_dtype), per_example, 0)
+        classes = per_example[-1] if per_example else None
+        if classes is None:
             raise ValueError(
                 f"the model's output {list(output_shape)} has classes of no fixed number; "
                 f"loss {self.description} needs them"
             )
-        if self.uses_class_indices:
-            return LabelSpec(np.dtype("int32"), per_example[:-1], per_example[-1])
-        return LabelSpec(np.dtype(output_dtype), per_example, 0)
+        return LabelSpec(np.dtype("int32"), per_example[:-1], classes)
 
     def __call__(self, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
         in_mask = get_keras_mask(outputs)

@@ -32,7 +32,8 @@ def _own_trainable(layer: keras.layers.Layer) -> list[keras.Variable]:
 def make_plan(model: keras.Model, registry: LayerRegistry) -> Plan:
     """A layer with a rule covers every variable it holds, its sublayers' too (a
     recurrent layer's cell); any other layer is planned by its own variables."""
-    ruled, reasons, covered, routes = [], [], set(), {}
+    ruled, reasons, covered = [], [], set()
+    routes: dict[int, str] = {}
     for layer in model._flatten_layers(include_self=False, recursive=True):
         held = [v for v in layer.trainable_variables if id(v) not in covered]
         if not held:

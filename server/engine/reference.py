@@ -32,7 +32,12 @@ class References:
 
     def __init__(self, model: keras.Model, loss: PerExampleLoss) -> None:
         @tf.function(reduce_retracing=True)
-        def gradients(trainable, non_trainable, xs, y):
+        def gradients(
+            trainable: list[tf.Tensor],
+            non_trainable: list[tf.Tensor],
+            xs: list[tf.Tensor],
+            y: tf.Tensor,
+        ) -> tuple[tf.Tensor, list[tf.Tensor]]:
             with tf.GradientTape() as tape:
                 tape.watch(trainable)
                 losses = forward_loss(model, loss, trainable, non_trainable, xs, y)

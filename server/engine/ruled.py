@@ -9,7 +9,7 @@ from the vectorized route in the same `tf.function`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -24,7 +24,13 @@ from pergrad.server.engine.vectorized import forward_loss, vectorized_gradients
 
 
 def _ruled_pass(
-    model: keras.Model, loss: PerExampleLoss, plan: Plan, trainable, non_trainable, xs, y
+    model: keras.Model,
+    loss: PerExampleLoss,
+    plan: Plan,
+    trainable: Sequence[tf.Tensor],
+    non_trainable: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    y: tf.Tensor,
 ) -> tuple[tf.Tensor, dict[str, Grad]]:
     rules = {id(layer): rule for layer, rule in plan.ruled}
     patched = [(layer, rule.forward) for layer, rule in plan.ruled]
@@ -41,8 +47,8 @@ def _ruled_pass(
             per_variable[path].append(grad)
     # A rule may give a frozen variable's gradient too (a LoRA layer's base kernel): only
     # the trainable ones leave the pass.
-    trainable = {v.path for v in model.trainable_variables}
-    return losses, {p: combine(grads) for p, grads in per_variable.items() if p in trainable}
+    paths = {v.path for v in model.trainable_variables}
+    return losses, {p: combine(grads) for p, grads in per_variable.items() if p in paths}
 
 
 def per_example_function(
@@ -50,7 +56,7 @@ def per_example_function(
     loss: PerExampleLoss,
     plan: Plan,
     *,
-    label_shape: tuple[int, ...],
+    label_shape: tuple[int | None, ...],
     label_dtype: tf.DType,
     jit_compile: bool = False,
     batch_size: int | None = None,
@@ -76,7 +82,9 @@ def per_example_function(
         tf.TensorSpec([batch_size, *label_shape], label_dtype),
     ]
 
-    def per_example(trainable, xs, y):
+    def per_example(
+        trainable: list[tf.Tensor], xs: list[tf.Tensor], y: tf.Tensor
+    ) -> tuple[tf.Tensor, dict[str, Grad]]:
         # Read once for the whole pass: each forward would otherwise read the variables
         # itself (the fallback's once per example), and could see a write between reads.
         non_trainable = [tf.identity(v.value) for v in model.non_trainable_variables]
@@ -98,7 +106,13 @@ def per_example_function(
         )
     shapes = [v.shape for v in model.trainable_variables]
 
-    def reduced(trainable, xs, y, rows, max_norm):
+    def reduced(
+        trainable: list[tf.Tensor],
+        xs: list[tf.Tensor],
+        y: tf.Tensor,
+        rows: tf.Tensor,
+        max_norm: tf.Tensor,
+    ) -> tuple[tf.Tensor, dict[str, tf.Tensor | list[tf.Tensor]]]:
         losses, grads = per_example(trainable, xs, y)
         ordered = [grads.get(path) for path in paths]
         return losses, reduce(in_pass, ordered, shapes, rows, max_norm)

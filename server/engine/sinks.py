@@ -14,19 +14,17 @@ import numpy as np
 from pergrad.server.engine import reductions
 from pergrad.server.engine.grads import Grad, materialize
 from pergrad.server.engine.in_pass import InPass
+from pergrad.server.engine.slices import VariableSpec
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.results import GradientResult
 
 
-class Variable(Protocol):
-    index: int
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-
 class Sink(Protocol):
     size: int
+
+    @property
+    def in_pass(self) -> InPass | None:
+        """What the pass computes instead of gradients (`Reduced.add_in_pass`), if any."""
 
     def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
         """Rows [start, start + len(losses)) of the request; grads in model order."""
@@ -43,7 +41,7 @@ class FullGradients:
     def __init__(
         self,
         size: int,
-        selected: Sequence[Variable],
+        selected: Sequence[VariableSpec],
         loss_dtype: np.dtype,
         model: str,
         *,
@@ -74,13 +72,14 @@ class Reduced:
     def __init__(
         self,
         size: int,
-        selected: Sequence[Variable],
+        selected: Sequence[VariableSpec],
         reduction: reductions.Reduction,
         loss_dtype: np.dtype,
         model: str,
     ) -> None:
         self.size, self._selected, self._reduction, self._model = size, selected, reduction, model
         self._losses = np.empty(size, loss_dtype)
+        self._in_pass = reduction if isinstance(reduction, reductions.InPassReduction) else None
 
     def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
         self._losses[start : start + len(losses)] = losses
@@ -89,14 +88,14 @@ class Reduced:
     @property
     def in_pass(self) -> InPass | None:
         """What to compute inside the pass instead of gradients, if the reduction can."""
-        clip = getattr(self._reduction, "IN_PASS_CLIP", None)
-        return None if clip is None else InPass(tuple(v.index for v in self._selected), clip)
+        if self._in_pass is None:
+            return None
+        return InPass(tuple(v.index for v in self._selected), self._in_pass.IN_PASS_CLIP)
 
     @property
     def max_norm(self) -> float:
-        """The in-pass function's clip bound: the reduction's, or 0 where it only norms."""
-        in_pass = self.in_pass
-        return self._reduction.max_norm if in_pass is not None and in_pass.clip else 0.0
+        """The in-pass function's clip bound: the reduction's (0 where it only norms)."""
+        return self._in_pass.max_norm if self._in_pass is not None else 0.0
 
     def add_in_pass(self, start: int, losses: np.ndarray, outputs: dict) -> None:
         """Rows [start, start + len(losses)): losses and the `in_pass` outputs (`squares`
@@ -105,14 +104,15 @@ class Reduced:
         names = [v.name for v in self._selected]
         squares = dict(zip(names, outputs["squares"], strict=True))
         sums = dict(zip(names, outputs.get("sums", ()), strict=False))
-        self._reduction.add_in_pass(squares, sums)
+        assert self._in_pass is not None, "add_in_pass on a reduction the pass cannot make"
+        self._in_pass.add_in_pass(squares, sums)
 
     def finish(self) -> GradientResult:
         return GradientResult(self._losses, model=self._model, **self._reduction.finish())
 
 
 def _allocate(
-    batch: int, selected: Sequence[Variable], loss_dtype: np.dtype, model: str
+    batch: int, selected: Sequence[VariableSpec], loss_dtype: np.dtype, model: str
 ) -> GradientResult:
     return GradientResult(
         np.empty(batch, loss_dtype),
@@ -121,7 +121,7 @@ def _allocate(
     )
 
 
-def _check_out(result: GradientResult, batch: int, selected: Sequence[Variable]) -> None:
+def _check_out(result: GradientResult, batch: int, selected: Sequence[VariableSpec]) -> None:
     for v in selected:
         array = result.gradients.get(v.name)
         if (

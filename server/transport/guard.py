@@ -80,6 +80,7 @@ from pergrad.server.status import (
     sized,
 )
 from pergrad.server.transport.auth import token_key
+from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
 from pergrad.server.transport.handlers import (
     as_request_stream,
     behavior_of,
@@ -96,9 +97,10 @@ _STALLED = "{method}: cancelled, its client sent nothing for the stall timeout"
 _ENDED = "{method}: cancelled while its request was awaited"
 
 
-def _open_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """An open service's deserializer: a request over OPEN_REQUEST_BYTES is not parsed,
-    and one that does not parse is INVALID_ARGUMENT (gRPC would answer INTERNAL)."""
+def _open_parser(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """An open service's deserializer (None: the bytes themselves): a request over
+    OPEN_REQUEST_BYTES is not parsed, and one that does not parse is INVALID_ARGUMENT
+    (gRPC would answer INTERNAL)."""
 
     def parse_checked(data: bytes) -> Any:
         if len(data) > OPEN_REQUEST_BYTES:
@@ -109,7 +111,7 @@ def _open_parser(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
                 )
             )
         try:
-            return parse(data)
+            return parse(data) if parse else data
         except DecodeError as err:
             return RefusedRequest(InvalidArgument(f"not a valid request: {err}"))
 
@@ -218,10 +220,9 @@ class CallGuard(grpc.ServerInterceptor):
         method = handler_call_details.method
         open_service = split_method(method)[0] in OPEN_SERVICES
         behavior = behavior_of(handler)
-        non_blocking = getattr(behavior, "experimental_non_blocking", False)
-        if non_blocking and handler.request_streaming:
+        watch = is_non_blocking(behavior)
+        if watch and handler.request_streaming:
             return handler  # none is served; it could not be read under the stall timer
-        watch = non_blocking
         # The caller, where a token names it (the token check ran first); else its
         # connection, known once the handler runs.
         token = None
@@ -237,7 +238,7 @@ class CallGuard(grpc.ServerInterceptor):
             return refusal(declared_kind_of(handler), _refuse(open_service))
         guarded = self._guarded(behavior, method, handler, places, watch, open_service, token)
         if open_service:
-            guarded.experimental_thread_pool = self._watch_pool if watch else self._open_pool
+            run_on(guarded, self._watch_pool if watch else self._open_pool)
         parse = handler.request_deserializer
         if open_service:
             parse = _open_parser(parse)
@@ -295,7 +296,7 @@ class CallGuard(grpc.ServerInterceptor):
                 request = self._request(iterator, context, method, waiting)
                 return behavior(request, context, send)
 
-            handle_watch.experimental_non_blocking = True
+            non_blocking(handle_watch)
             return handle_watch
 
         def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:

@@ -8,12 +8,14 @@ handler keeps the method's own kind (`declared_kind_of`) for metrics labels."""
 
 from __future__ import annotations
 
-from collections import namedtuple
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
+
+from pergrad.server.transport.grpc_private import pool_of, run_on
 
 
 class Kind(NamedTuple):
@@ -29,20 +31,20 @@ KINDS: dict[tuple[bool, bool], Kind] = {
     (True, True): Kind("bidi_stream", "stream_stream", grpc.stream_stream_rpc_method_handler),
 }
 
-_FIELDS = (
-    "request_streaming",
-    "response_streaming",
-    "request_deserializer",
-    "response_serializer",
-    "unary_unary",
-    "unary_stream",
-    "stream_unary",
-    "stream_stream",
-)
 
-
-class _Redeclared(namedtuple("_Redeclared", (*_FIELDS, "declared")), grpc.RpcMethodHandler):
+@dataclass(frozen=True)
+class _Redeclared(grpc.RpcMethodHandler):
     """A handler served as the kind its fields say, for a method of kind `declared`."""
+
+    request_streaming: bool
+    response_streaming: bool
+    request_deserializer: Callable[[bytes], Any] | None
+    response_serializer: Callable[[Any], bytes] | None
+    unary_unary: Callable[..., Any] | None
+    unary_stream: Callable[..., Any] | None
+    stream_unary: Callable[..., Any] | None
+    stream_stream: Callable[..., Any] | None
+    declared: Kind
 
 
 _STREAMING = {k: streaming for streaming, k in KINDS.items()}
@@ -70,14 +72,12 @@ def replaced(
     handler: grpc.RpcMethodHandler,
     behavior: Callable[..., Any],
     *,
-    request_deserializer: Callable[[bytes], Any] | bool | None = True,
+    request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
     """A handler of `handler`'s kind (and declared kind) running `behavior`, with its
-    serializers (or no request deserializer with `request_deserializer=None`), on the
-    same thread pool."""
-    deserializer = (
-        handler.request_deserializer if request_deserializer is True else request_deserializer
-    )
+    serializers (its request deserializer replaced where one is given), on the same
+    thread pool."""
+    deserializer = request_deserializer or handler.request_deserializer
     return _made(handler, kind_of(handler), behavior, deserializer)
 
 
@@ -103,7 +103,7 @@ def refusal(declared: Kind, behavior: Callable[..., Any]) -> grpc.RpcMethodHandl
     """A handler for a method of kind `declared` whose `behavior` ends the call at once
     (aborts), reading no request: served as request-streaming, so gRPC reads none first,
     on the refusals' threads."""
-    behavior.experimental_thread_pool = _REFUSALS
+    run_on(behavior, _REFUSALS)
     response_streaming = _STREAMING[declared][1]
     return _declared_as(kind(True, response_streaming).factory(behavior), declared)
 
@@ -114,9 +114,9 @@ def _made(
     behavior: Callable[..., Any],
     request_deserializer: Callable[[bytes], Any] | None,
 ) -> grpc.RpcMethodHandler:
-    pool = getattr(behavior_of(handler), "experimental_thread_pool", None)
-    if pool is not None and getattr(behavior, "experimental_thread_pool", None) is None:
-        behavior.experimental_thread_pool = pool
+    pool = pool_of(behavior_of(handler))
+    if pool is not None and pool_of(behavior) is None:
+        run_on(behavior, pool)
     made = served_as.factory(
         behavior,
         request_deserializer=request_deserializer,
@@ -128,4 +128,14 @@ def _made(
 def _declared_as(made: grpc.RpcMethodHandler, declared: Kind) -> grpc.RpcMethodHandler:
     if declared == kind_of(made):
         return made
-    return _Redeclared(*(getattr(made, field) for field in _FIELDS), declared)
+    return _Redeclared(
+        made.request_streaming,
+        made.response_streaming,
+        made.request_deserializer,
+        made.response_serializer,
+        made.unary_unary,
+        made.unary_stream,
+        made.stream_unary,
+        made.stream_stream,
+        declared,
+    )

@@ -9,11 +9,14 @@ registers a callback and returns at once (gRPC's non-blocking streaming handlers
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pergrad.server.transport.grpc_private import non_blocking
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -105,8 +108,8 @@ class HealthService(health_pb2_grpc.HealthServicer):
             watchers = [w for group in self._watchers.values() for w in group]
             self._watchers.clear()
         for watcher in watchers:
-            watcher.tell(lambda w=watcher: self._status_of(w.service), end=True)
+            watcher.tell(functools.partial(self._status_of, watcher.service), end=True)
 
 
 # gRPC calls a non-blocking handler with a `send` callback and frees the worker at once.
-HealthService.Watch.experimental_non_blocking = True
+non_blocking(HealthService.Watch)

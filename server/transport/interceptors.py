@@ -14,6 +14,13 @@ from typing import Any
 import grpc
 
 from pergrad.server.metrics import RpcLabels, ServerMetrics
+from pergrad.server.transport.grpc_private import (
+    cancelled_by_client,
+    code_set,
+    is_non_blocking,
+    non_blocking,
+    pool_of,
+)
 from pergrad.server.transport.handlers import behavior_of, declared_kind_of, replaced
 from pergrad.wire.rpc import split_method
 
@@ -31,22 +38,14 @@ def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.CANCELLED
 
 
-def _cancelled(context: grpc.ServicerContext) -> bool:
-    """Whether a call that has ended was cancelled by its client. A client that cancels a
-    request stream can look to the handler like one that closed its side (the stream just
-    ends), and only the call's end tells the two apart; gRPC's sync server keeps that in
-    its call state alone (`client == "cancelled"`), with no public accessor."""
-    return getattr(getattr(context, "_state", None), "client", None) == "cancelled"
-
-
 def final_code(
     context: grpc.ServicerContext, error: BaseException | None, *, ended: bool = False
 ) -> grpc.StatusCode:
     """The status a call ends with, given the exception its handler raised (or None);
     `ended`: asked once the call has ended (so it is no longer active either way)."""
-    if ended and _cancelled(context):
+    if ended and cancelled_by_client(context):
         return ended_by_client(context)
-    code = context.code()
+    code = code_set(context)
     if isinstance(code, grpc.StatusCode):
         return code
     if error is not None and not isinstance(error, GeneratorExit):
@@ -82,7 +81,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             at_end=declared.grpc_type in ("client_stream", "bidi_stream"),
         )
         behavior = behavior_of(handler)
-        if getattr(behavior, "experimental_non_blocking", False):
+        if is_non_blocking(behavior):
             behavior = call.wrap_non_blocking(behavior)
         else:
             behavior = call.wrap(behavior, handler.request_streaming, handler.response_streaming)
@@ -150,8 +149,7 @@ class _Call:
                 self._finish(context, err)
                 raise
 
-        handle.experimental_non_blocking = True
-        handle.experimental_thread_pool = getattr(behavior, "experimental_thread_pool", None)
+        non_blocking(handle, pool_of(behavior))
         return handle
 
     def _received(self, requests: Iterator[Any]) -> Iterator[Any]:

@@ -18,7 +18,7 @@ from pergrad.wire.declared import (
     first_nested_string,
     holds_over,
 )
-from pergrad.wire.fields import MAX_SCANNED, Unreadable
+from pergrad.wire.fields import MAX_SCANNED, Unreadable, encode_varint
 from pergrad.wire.text import quoted
 
 INPUTS = pb.GradientsRequest.INPUTS_FIELD_NUMBER
@@ -28,21 +28,12 @@ REQUEST_ID = pb.GradientsRequest.REQUEST_ID_FIELD_NUMBER
 SHAPE = tensor_pb2.Tensor.SHAPE_FIELD_NUMBER
 
 
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes(out + bytes([value]))
-
-
 def _key(number: int, wire_type: int) -> bytes:
-    return _varint(number << 3 | wire_type)
+    return encode_varint(number << 3 | wire_type)
 
 
 def _delimited(number: int, body: bytes) -> bytes:
-    return _key(number, 2) + _varint(len(body)) + body
+    return _key(number, 2) + encode_varint(len(body)) + body
 
 
 def _parsed(data: bytes) -> dict[str, int]:
@@ -62,15 +53,18 @@ def _read(data: bytes) -> dict[str, int] | None:
 
 numbers = st.sampled_from([0, 1, 2, 100, 101, 5000, -1, -5000, 2**63 - 1, 2**64 + 7])
 unknown = st.one_of(
-    st.builds(lambda n, v: _key(n, 0) + _varint(v), st.sampled_from([1, 2, 3, 16, 99]), numbers),
+    st.builds(
+        lambda n, v: _key(n, 0) + encode_varint(v), st.sampled_from([1, 2, 3, 16, 99]), numbers
+    ),
     st.builds(lambda n: _key(n, 1) + bytes(8), st.sampled_from([2, 3, 5, 99])),
     st.builds(lambda n: _key(n, 5) + bytes(4), st.sampled_from([2, 3, 99])),
     st.builds(lambda n, b: _delimited(n, b), st.sampled_from([5, 7, 99]), st.binary(max_size=3)),
 )
 shape_parts = st.one_of(
-    st.builds(lambda v: _key(SHAPE, 0) + _varint(v), numbers),
+    st.builds(lambda v: _key(SHAPE, 0) + encode_varint(v), numbers),
     st.builds(
-        lambda vs: _delimited(SHAPE, b"".join(map(_varint, vs))), st.lists(numbers, max_size=3)
+        lambda vs: _delimited(SHAPE, b"".join(map(encode_varint, vs))),
+        st.lists(numbers, max_size=3),
     ),
 )
 tensor = st.lists(
@@ -90,7 +84,7 @@ request = st.lists(
         st.builds(lambda t: _delimited(INPUTS, t), tensor),
         st.builds(lambda t: _delimited(LABELS, t), tensor),
         st.builds(lambda e: _delimited(NAMED, e), entry),
-        st.builds(lambda v: _key(REQUEST_ID, 0) + _varint(v), numbers),
+        st.builds(lambda v: _key(REQUEST_ID, 0) + encode_varint(v), numbers),
         unknown,
     ),
     max_size=6,
@@ -113,7 +107,8 @@ def test_a_map_entry_protobuf_drops_is_not_read() -> None:
     map, so it neither adds an input nor replaces one of the same key."""
     small = _delimited(NAMED, _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, b"\x02")))
     dropped = _delimited(
-        NAMED, _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, _varint(5000))) + b"\x18\x00"
+        NAMED,
+        _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, encode_varint(5000))) + b"\x18\x00",
     )
     assert _parsed(small + dropped) == {"inputs['a']": 2} == _read(small + dropped)
     assert _parsed(dropped) == {} == _read(dropped)
@@ -122,8 +117,8 @@ def test_a_map_entry_protobuf_drops_is_not_read() -> None:
 def test_inputs_sent_in_parts_take_the_first_shape_sent() -> None:
     """Protobuf merges the parts: their shapes follow each other."""
     first = _delimited(INPUTS, _delimited(3, b"ab"))
-    second = _delimited(INPUTS, _delimited(SHAPE, _varint(5000) + _varint(2)))
-    third = _delimited(INPUTS, _delimited(SHAPE, _varint(7)))
+    second = _delimited(INPUTS, _delimited(SHAPE, encode_varint(5000) + encode_varint(2)))
+    third = _delimited(INPUTS, _delimited(SHAPE, encode_varint(7)))
     assert _parsed(first + second + third) == {"inputs": 5000} == _read(first + second + third)
 
 
@@ -136,8 +131,8 @@ def test_a_step_requests_batch_is_read_in_its_field() -> None:
 @pytest.mark.parametrize(
     "data",
     [
-        _key(REQUEST_ID, 0) + _varint(3) + _key(REQUEST_ID, 0) + _varint(7),
-        _key(REQUEST_ID, 0) + _varint(7) + _delimited(REQUEST_ID, b"abc"),
+        _key(REQUEST_ID, 0) + encode_varint(3) + _key(REQUEST_ID, 0) + encode_varint(7),
+        _key(REQUEST_ID, 0) + encode_varint(7) + _delimited(REQUEST_ID, b"abc"),
         _key(REQUEST_ID, 0) + b"\x87\x80\x80\x80\x80\x80\x80\x80\x80\x02",
     ],
     ids=["the last one", "then one of another wire type", "a varint of over 64 bits"],
@@ -203,7 +198,7 @@ def test_a_step_requests_batch_holds_over_a_bound_in_its_field() -> None:
 def test_a_group_holds_over_any_bound() -> None:
     """An empty group (field 99) in front of the fields: the parser takes it and reads
     on, so a reading that stopped there would let any number of fields through."""
-    data = _key(99, 3) + _key(99, 4) + _key(REQUEST_ID, 0) + _varint(1)
+    data = _key(99, 3) + _key(99, 4) + _key(REQUEST_ID, 0) + encode_varint(1)
     assert pb.GradientsRequest.FromString(data).request_id == 1
     assert holds_over(data, 100)
 
@@ -220,7 +215,7 @@ def test_a_step_requests_batch_sent_in_parts_counts_as_one() -> None:
 
 def test_bytes_ending_mid_field_hold_over_no_bound() -> None:
     """The parser refuses them; reading counts only what it could read."""
-    data = _key(REQUEST_ID, 0) + _varint(1) + _delimited(7, b"abc")[:-1]
+    data = _key(REQUEST_ID, 0) + encode_varint(1) + _delimited(7, b"abc")[:-1]
     assert not holds_over(data, 2)
 
 

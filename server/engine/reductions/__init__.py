@@ -17,29 +17,41 @@ takes that registry or another (`Engine(reductions=...)`), as it takes its layer
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from pergrad.server.engine.grads import Grad
-
-
-class Selected(Protocol):
-    """A variable a reduction covers: its position in the model's order, name, shape."""
-
-    index: int
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
+from pergrad.server.engine.slices import VariableSpec
 
 
 class Reduction(Protocol):
     def add(self, grads: Mapping[str, Grad]) -> None: ...
 
     def finish(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class InPassReduction(Reduction, Protocol):
+    """A reduction the pass computes itself from the factors (`in_pass`): its squared
+    norms, and its clipped sums under `max_norm` where IN_PASS_CLIP."""
+
+    IN_PASS_CLIP: bool
+    max_norm: float
+
+    def add_in_pass(
+        self, squares: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray]
+    ) -> None: ...
+
+
+def summed(arrays: Iterable[np.ndarray]) -> np.ndarray:
+    """The sum of one array or more, as `sum` would give it (whose start, 0, types it as
+    possibly an int)."""
+    return functools.reduce(np.add, arrays)
 
 
 Maker = Callable[..., Reduction]
@@ -58,7 +70,7 @@ class ReductionRegistry:
         return sorted(self._makers)
 
     def make(
-        self, name: str, variables: Sequence[Selected], options: Mapping[str, Any]
+        self, name: str, variables: Sequence[VariableSpec], options: Mapping[str, Any]
     ) -> Reduction:
         """A reduction over `variables` with `options` the catalogue checked."""
         if name not in self._makers:

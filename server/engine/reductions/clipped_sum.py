@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pergrad.server.engine.grads import Grad
-from pergrad.server.engine.reductions import Selected
+from pergrad.server.engine.reductions import summed
 from pergrad.server.engine.reductions.factored import weighted_sum
 from pergrad.server.engine.reductions.norms import squared
 from pergrad.server.engine.reductions.random_streams import (
@@ -26,6 +26,7 @@ from pergrad.server.engine.reductions.random_streams import (
     secure_gaussians,
     stream_key,
 )
+from pergrad.server.engine.slices import VariableSpec
 from pergrad.server.errors import InvalidArgument
 
 NOISE_STREAM = 2
@@ -44,7 +45,7 @@ class ClippedSum:
 
     def __init__(
         self,
-        variables: Sequence[Selected],
+        variables: Sequence[VariableSpec],
         *,
         max_norm: float,
         noise_multiplier: float,
@@ -63,7 +64,7 @@ class ClippedSum:
         self._norms: list[np.ndarray] = []
 
     def add(self, grads: Mapping[str, Grad]) -> None:
-        norms = np.sqrt(sum(squared(self._variables, grads).values()))
+        norms = np.sqrt(summed(squared(self._variables, grads).values()))
         scale = clip_factors(norms, self.max_norm)
         for v in self._variables:
             self._sums[v.name] += weighted_sum(grads[v.name], scale, v.shape)
@@ -73,7 +74,7 @@ class ClippedSum:
         self, squares: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray]
     ) -> None:
         """One slice's squared norms and clipped sums per variable, from the pass itself."""
-        self._norms.append(np.sqrt(sum(s.astype(np.float64) for s in squares.values())))
+        self._norms.append(np.sqrt(summed(s.astype(np.float64) for s in squares.values())))
         for name, total in sums.items():
             self._sums[name] += total
 

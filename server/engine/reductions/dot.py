@@ -9,13 +9,14 @@ from typing import Any
 import numpy as np
 
 from pergrad.server.engine.grads import Grad
-from pergrad.server.engine.reductions import Selected
+from pergrad.server.engine.reductions import summed
 from pergrad.server.engine.reductions.factored import dots
+from pergrad.server.engine.slices import VariableSpec
 from pergrad.server.errors import InvalidArgument
 
 
 def _checked(
-    variables: Sequence[Selected], reference: Mapping[str, np.ndarray]
+    variables: Sequence[VariableSpec], reference: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """One [K, *shape] array per selected variable, the same K >= 1 for all (each array
     cast to float32 and checked finite by the catalogue, at the edge it arrived at)."""
@@ -42,7 +43,7 @@ def _checked(
 
 class Dot:
     def __init__(
-        self, variables: Sequence[Selected], *, reference: Mapping[str, np.ndarray]
+        self, variables: Sequence[VariableSpec], *, reference: Mapping[str, np.ndarray]
     ) -> None:
         self._variables = variables
         self._reference = _checked(variables, reference)
@@ -50,7 +51,7 @@ class Dot:
 
     def add(self, grads: Mapping[str, Grad]) -> None:
         self._parts.append(
-            sum(dots(grads[v.name], self._reference[v.name], v.dtype) for v in self._variables)
+            summed(dots(grads[v.name], self._reference[v.name], v.dtype) for v in self._variables)
         )
 
     def finish(self) -> dict[str, Any]:

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 
 from pergrad.server.engine.grads import Grad
-from pergrad.server.engine.reductions import Selected
 from pergrad.server.engine.reductions.factored import examples, sum_of_squares, weighted_sum
+from pergrad.server.engine.slices import VariableSpec
 
 
 class Moments:
-    def __init__(self, variables: Sequence[Selected]) -> None:
+    def __init__(self, variables: Sequence[VariableSpec]) -> None:
         self._variables = variables
         self._sum = {v.name: np.zeros(v.shape, np.float32) for v in variables}
         self._squares = {v.name: np.zeros(v.shape, np.float32) for v in variables}

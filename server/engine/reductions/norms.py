@@ -12,18 +12,20 @@ from typing import Any
 import numpy as np
 
 from pergrad.server.engine.grads import Grad
-from pergrad.server.engine.reductions import Selected
+from pergrad.server.engine.reductions import summed
 from pergrad.server.engine.reductions.factored import squared_norms
+from pergrad.server.engine.slices import VariableSpec
 
 
-def squared(variables: Sequence[Selected], grads: Mapping[str, Grad]) -> dict[str, np.ndarray]:
+def squared(variables: Sequence[VariableSpec], grads: Mapping[str, Grad]) -> dict[str, np.ndarray]:
     return {v.name: squared_norms(grads[v.name], v.shape, v.dtype) for v in variables}
 
 
 class Norms:
     IN_PASS_CLIP = False
+    max_norm = 0.0  # clips nothing
 
-    def __init__(self, variables: Sequence[Selected]) -> None:
+    def __init__(self, variables: Sequence[VariableSpec]) -> None:
         self._variables = variables
         self._parts: list[dict[str, np.ndarray]] = []
 
@@ -40,7 +42,7 @@ class Norms:
         per_variable = {
             v.name: np.concatenate([p[v.name] for p in self._parts]) for v in self._variables
         }
-        total = sum(per_variable.values())
+        total = summed(per_variable.values())
         return {
             "norms": np.sqrt(total).astype(np.float32),
             "variable_norms": {k: np.sqrt(s).astype(np.float32) for k, s in per_variable.items()},

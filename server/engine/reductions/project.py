@@ -25,9 +25,10 @@ import numpy as np
 
 from pergrad.server.engine.cores import on_cores
 from pergrad.server.engine.grads import Grad, Outer, Scatter, Tied
-from pergrad.server.engine.reductions import Selected
+from pergrad.server.engine.reductions import summed
 from pergrad.server.engine.reductions.factored import blocks, examples
 from pergrad.server.engine.reductions.random_streams import matrix_rows
+from pergrad.server.engine.slices import VariableSpec
 
 BLOCK_BYTES = 16 << 20
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -75,7 +76,7 @@ CACHE = MatrixCache()
 class Project:
     def __init__(
         self,
-        variables: Sequence[Selected],
+        variables: Sequence[VariableSpec],
         *,
         dim: int,
         seed: int | None,
@@ -87,15 +88,15 @@ class Project:
         self._cache = cache
         self._parts: list[np.ndarray] = []
 
-    def _key(self, variable: Selected, stream: int, columns: int) -> MatrixKey:
+    def _key(self, variable: VariableSpec, stream: int, columns: int) -> MatrixKey:
         return self._seed, variable.index, stream, self._kind, self._dim, columns
 
-    def _made_first(self, variable: Selected, stream: int, columns: int) -> None:
+    def _made_first(self, variable: VariableSpec, stream: int, columns: int) -> None:
         """Make the whole matrix now, on every core, if the cache keeps it: the blocks'
         rows split over the cores (`_by_row_blocks`) would each make it on one."""
         self._cache.get(self._key(variable, stream, columns))
 
-    def _rows(self, variable: Selected, stream: int, columns: int, rows: slice) -> np.ndarray:
+    def _rows(self, variable: VariableSpec, stream: int, columns: int, rows: slice) -> np.ndarray:
         """Rows of the [dim, columns] matrix of `variable`'s `stream`."""
         whole = self._cache.get(self._key(variable, stream, columns))
         if whole is not None:
@@ -122,9 +123,9 @@ class Project:
             on_cores(block, fill, serial=block < 2)
         return out
 
-    def _project(self, variable: Selected, grad: Grad) -> np.ndarray:
+    def _project(self, variable: VariableSpec, grad: Grad) -> np.ndarray:
         if isinstance(grad, Tied):  # linear: the sum of its parts' projections
-            return sum(self._project(variable, part) for part in grad)
+            return summed(self._project(variable, part) for part in grad)
         out = np.zeros((examples(grad), self._dim), np.float32)
         if len(variable.shape) != 2:
             flat = np.concatenate(list(blocks(grad, variable.shape, variable.dtype)))
@@ -166,7 +167,7 @@ class Project:
         )
 
     def add(self, grads: Mapping[str, Grad]) -> None:
-        self._parts.append(sum(self._project(v, grads[v.name]) for v in self._variables))
+        self._parts.append(summed(self._project(v, grads[v.name]) for v in self._variables))
 
     def finish(self) -> dict[str, Any]:
         projections = np.concatenate(self._parts) / np.sqrt(self._dim)

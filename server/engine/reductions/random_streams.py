@@ -153,7 +153,7 @@ def secure_bits(words: int, scratch: np.ndarray | None = None) -> np.ndarray:
     out = _scratch(words) if scratch is None else scratch
     plaintext = _ZEROS if words <= len(_ZEROS) // 8 else bytes(8 * words)
     Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update_into(
-        memoryview(plaintext)[: 8 * words], memoryview(out).cast("B")
+        memoryview(plaintext)[: 8 * words], out.data.cast("B")
     )
     return out[:words]
 

@@ -9,19 +9,11 @@ from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.registry import ModelRegistry, serve_model
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.codec import wire_dtype
-
-
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int64s take ten bytes, as protobuf sends them
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes([*out, value])
+from pergrad.wire.fields import encode_varint
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return encode_varint(number << 3 | 2) + encode_varint(len(payload)) + payload
 
 
 def _widest_header(name: str, variables: list[tuple[str, int, tuple[int, ...]]]) -> bytes:
@@ -32,13 +24,13 @@ def _widest_header(name: str, variables: list[tuple[str, int, tuple[int, ...]]])
             3,
             _field(1, spec.encode())
             + b"\x10"
-            + _varint(dtype)
-            + b"".join(b"\x18" + _varint(d) for d in shape),
+            + encode_varint(dtype)
+            + b"".join(b"\x18" + encode_varint(d) for d in shape),
         )
         for spec, dtype, shape in variables
     )
-    header = _field(1, name.encode()) + b"\x10" + _varint(-1) + specs
-    header += b"\x20" + _varint(-1) + _field(5, b"0" * 32)
+    header = _field(1, name.encode()) + b"\x10" + encode_varint(-1) + specs
+    header += b"\x20" + encode_varint(-1) + _field(5, b"0" * 32)
     return _field(1, header)
 
 
