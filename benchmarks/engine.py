@@ -68,7 +68,7 @@ def make_batch(engine: Engine, batch: int) -> tuple[np.ndarray, np.ndarray]:
 
 def make_methods(engine: Engine, x: np.ndarray, y: np.ndarray) -> dict[str, Callable[[], object]]:
     model, loss = engine.model, engine.loss
-    trainable = list(engine.initial_weights())
+    trainable = list(engine.passes.initial_weights())
     non_trainable = [v.value for v in model.non_trainable_variables]
     everything = list(range(len(trainable)))
     references = References(model, loss)

@@ -160,7 +160,7 @@ class Phases:
         work = self.work
         asked = work.asked
         if self._shared():
-            sink = self.engine.sink(
+            sink = self.engine.passes.sink(
                 work.batch.size,
                 reduction=asked.reduction.name,
                 variables=asked.variables,
@@ -168,7 +168,7 @@ class Phases:
             )
             return self.coalescer.compute(Job(work.batch, sink), work.snapshot)
         if asked.reduction.name == "none":
-            return list(self.engine.blocks(work.batch, trainable=work.snapshot.trainable))
+            return list(self.engine.passes.blocks(work.batch, trainable=work.snapshot.trainable))
         return self.engine.compute(
             work.batch,
             reduction=asked.reduction.name,

@@ -136,7 +136,7 @@ def serve_replay(batch: int) -> None:
             hi = min(lo + block, batch.size)
             yield SliceResult(lo, hi, result.losses[lo:hi], [g[lo:hi] for g in grads])
 
-    engine.blocks = replay
+    engine.passes.blocks = replay
     running = start(Config(host="127.0.0.1", port=0, metrics_port=0), ModelRegistry([served]))
     print(f"ready on 127.0.0.1:{running.port}", file=sys.stderr, flush=True)
     running.server.wait_for_termination()

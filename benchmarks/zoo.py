@@ -56,7 +56,7 @@ def _methods(name: str, batch: int) -> dict:
     engine = Engine(model, loss=compiled or loss, jit_compile="auto")
     x, y = family.batch(model, batch)
     inputs = engine.batch(x, y)
-    trainable = list(engine.initial_weights())
+    trainable = list(engine.passes.initial_weights())
     non_trainable = [v.value for v in model.non_trainable_variables]
     everything = list(range(len(trainable)))
 

@@ -145,7 +145,7 @@ def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Setting
     engine = served.engine
     batch = engine.batch(*_decode_batch(request, settings.max_batch), cast_dtypes=False)
     snapshot = served.weights.get(request.model_version, request.weights_id)
-    selected = engine.select(asked.variables)
+    selected = engine.passes.select(asked.variables)
     expected = expected_outputs(
         asked.reduction,
         batch=batch.size,
@@ -224,14 +224,14 @@ def _sink(work: Work) -> Sink:
     options = asked.options
     if "wire_dtype" in options:
         options = CheckedOptions(options.reduction, {**options, "wire_dtype": None})
-    return work.served.engine.checked_sink(
+    return work.served.engine.passes.checked_sink(
         work.batch.size, asked.reduction, options, variables=asked.variables
     )
 
 
 def _alone(work: Work, cancelled: Callable[[], bool]) -> GradientResult:
     engine = work.served.engine
-    return engine.run(
+    return engine.passes.run(
         work.batch, _sink(work), trainable=work.snapshot.trainable, cancelled=cancelled
     )
 
@@ -301,7 +301,7 @@ def _full_gradients(
     waiting and one being filled.
     """
     yield _header(work, settings, [(e.field, e.variable, e.shape, d) for e, d in work.outputs])
-    blocks = work.served.engine.blocks(
+    blocks = work.served.engine.passes.blocks(
         work.batch,
         variables=work.asked.variables,
         trainable=work.snapshot.trainable,

@@ -8,18 +8,17 @@ forward and backward pass; the rest from the vectorized route (`vectorized.py`).
 runs in slices of examples so that TensorFlow never holds more than `slice_bytes` of
 per-example tensors, and results are written once, straight into numpy buffers.
 
-Two layers of calls: `batch` casts and checks a batch once (the service calls it before
-admission), `compute` and `blocks` work on such a `Batch`; `per_example_gradients` and
-`iter_slices` do both, for in-process use.
+Two audiences: a user calls `per_example_gradients` and `iter_slices` (which cast and
+check a batch, then compute), or `batch` once and `compute` on it; the server calls
+`batch` before admission and drives the pass itself through `passes` (`passes.py`: on a
+snapshot's weights, into a sink, in blocks, or as shared passes).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import heapq
 import logging
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,21 +27,17 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
-from pergrad.server.engine.blocks import SliceResult, full_gradient_blocks
+from pergrad.server.engine.blocks import SliceResult
 from pergrad.server.engine.compiled import CompiledPass, JitCompile, values_reader
-from pergrad.server.engine.grads import Factored, Grad
 from pergrad.server.engine.ids import ComputedIds
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
+from pergrad.server.engine.passes import Passes
 from pergrad.server.engine.plan import make_plan
 from pergrad.server.engine.reductions import ReductionRegistry, default_reductions
 from pergrad.server.engine.rules import LayerRegistry, default_registry
-from pergrad.server.engine.sinks import FullGradients, Reduced, Sink
-from pergrad.server.engine.slices import Slice, VariableSpec
+from pergrad.server.engine.slices import VariableSpec
 from pergrad.server.engine.vectorized import model_inputs
-from pergrad.server.errors import Cancelled, InvalidArgument
-from pergrad.wire.catalogue import CATALOGUE, NONE, CheckedOptions, OptionError, Reduction
 from pergrad.wire.results import GradientResult
-from pergrad.wire.text import quoted
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -53,25 +48,6 @@ DEFAULT_SLICE_BYTES = 64 << 20
 FALLBACK_MAX_SLICE = 32
 # Unknown variable names an error quotes, at most.
 QUOTED_NAMES = 3
-
-
-def _some(names: set[str]) -> str:
-    """A few of `names`, each quoted short, and how many more: a request may name
-    millions, and sorting and quoting all of 100,000 took 45 ms with the GIL held."""
-    first = heapq.nsmallest(QUOTED_NAMES, names)
-    more = f" and {len(names) - len(first)} more" if len(names) > len(first) else ""
-    return f"[{', '.join(map(quoted, first))}]{more}"
-
-
-def _first_line(err: tf.errors.OpError) -> str:
-    """TensorFlow's message without its graph-node and function decorations."""
-    line = err.message.strip().splitlines()[0] if err.message.strip() else type(err).__name__
-    return re.sub(r"\{\{[^}]*\}\}\s*", "", line).strip()
-
-
-def _stop_if(cancelled: Callable[[], bool] | None, done: int, total: int) -> None:
-    if cancelled is not None and cancelled():
-        raise Cancelled(f"call cancelled or past its deadline; stopped after {done} of {total}")
 
 
 def _single(tensors: Sequence[Any], what: str, model: keras.Model) -> Any:
@@ -168,7 +144,6 @@ class Engine:
         if loss is None:
             raise ValueError(f"model {model.name!r} has no compiled loss; pass loss=")
         self.model = model
-        self.reductions = reductions or default_reductions()
         self.loss = PerExampleLoss(loss)
         model_output = _single(model.outputs, "output", model)
         self.input_specs = input_specs(model)
@@ -180,7 +155,7 @@ class Engine:
         self.num_parameters = sum(int(np.prod(v.shape)) for v in self.variables)
         self.plan = make_plan(model, registry or default_registry())
         self._computed_ids = ComputedIds(model)
-        self._read_weights = values_reader(model.trainable_variables)
+        read_weights = values_reader(model.trainable_variables)
         self._pass = CompiledPass(
             model, self.loss, self.plan, self.label_spec, jit_compile=jit_compile
         )
@@ -188,7 +163,7 @@ class Engine:
         y = np.zeros((2, *(d or 1 for d in self.label_spec.shape)), self.label_spec.dtype)
         # also refuses a scalar loss
         self.routes = _routes(self, _unreached(model, self.loss, xs, y))
-        weights = self.initial_weights()
+        weights = tuple(read_weights())
         per_example = self._tensorflow_bytes(weights, xs, y)
         self.slice_size = max(1, slice_bytes // max(1, sum(per_example.values())))
         self._slice_bound = _slice_bound(per_example, slice_bytes)
@@ -197,6 +172,15 @@ class Engine:
             self._slice_bound = "the vectorized route's bound"
         self._pass.slice_cap = self.slice_size
         self._pass.choose(weights, *self._pass.probe_batch(xs, y))
+        self.passes = Passes(
+            model.name,
+            self.variables,
+            self._pass,
+            read_weights,
+            slice_size=self.slice_size,
+            reductions=reductions or default_reductions(),
+            loss_dtype=self.loss_dtype,
+        )
         _LOGGER.info("model %s: %s (plan %s)", model.name, self.summary, self.plan_id)
 
     @property
@@ -219,11 +203,6 @@ class Engine:
         return fingerprint(self.plan_text)
 
     @property
-    def takes_any_pass_size(self) -> bool:
-        """Whether a pass runs at its own size, not padded to a compiled one."""
-        return self._pass.takes_any_size
-
-    @property
     def xla_medians(self) -> tuple[float, float] | None:
         """(with XLA, without), seconds: the medians that decided where jit_compile="auto"
         timed both (the summary shows them rounded); else None."""
@@ -241,26 +220,10 @@ class Engine:
         self, weights: Sequence[tf.Tensor], xs: tuple[np.ndarray, ...], y: np.ndarray
     ) -> dict[str, int]:
         """Each variable's bytes per example of the per-example tensors TensorFlow forms
-        (for factored gradients, their factors).
-
-        Runs the pass once on two zero examples, which also keeps tracing out of the
-        first request's latency, and records in `factored` which variables' gradients
-        come factored ("outer", "scatter" or "tied").
-        """
+        (for factored gradients, their factors). Runs the pass once on two zero examples,
+        which also keeps tracing out of the first request's latency."""
         _, grads = self._pass(weights, xs, y)
-        self.factored = {
-            name: type(g).__name__.lower() for name, g in grads.items() if isinstance(g, Factored)
-        }
         return {name: sum(t[0].nbytes for t in tf.nest.flatten(g)) for name, g in grads.items()}
-
-    def initial_weights(self) -> tuple[tf.Tensor, ...]:
-        """The model's own trainable values now, as immutable tensors (`values_reader`:
-        `benchmarks/zoo.py`, mlp 1.31x vectorized_map's time read one by one, 0.97x so)."""
-        return tuple(self._read_weights())
-
-    def weights(self, trainable: Sequence[tf.Tensor] | None) -> tuple[tf.Tensor, ...]:
-        """`trainable` (a snapshot's), or the model's own values."""
-        return tuple(trainable) if trainable is not None else self.initial_weights()
 
     def batch(self, x: Any, y: Any, *, cast_dtypes: bool = True) -> Batch:
         """(x, y) cast to the model's dtypes (unless `cast_dtypes=False`: then they must
@@ -270,104 +233,10 @@ class Engine:
             self._computed_ids.check(batch)
         return batch
 
-    def select(self, variables: Sequence[str] | None) -> tuple[VariableSpec, ...]:
-        """The named variables in model order (all for None); unknown names are refused."""
-        if variables is None:
-            return self.variables
-        wanted = set(variables)
-        unknown = wanted.difference(v.name for v in self.variables)
-        if unknown or not variables:
-            raise InvalidArgument(
-                f"variables: unknown {_some(unknown) if unknown else 'empty filter'}; the "
-                f"model has {[v.name for v in self.variables]}"
-            )
-        return tuple(v for v in self.variables if v.name in wanted)
-
-    def slices(self, batch: Batch, trainable: Sequence[tf.Tensor] | None) -> Iterator[Slice]:
-        weights = self.weights(trainable)
-        for start in range(0, batch.size, self.slice_size):
-            stop = min(start + self.slice_size, batch.size)
-            xs, y = batch.rows(slice(start, stop))
-            yield Slice(start, stop, *self.run_pass(weights, xs, y, stop - start))
-
-    def run_pass(
-        self, weights: tuple[tf.Tensor, ...], xs: tuple[np.ndarray, ...], y: np.ndarray, count: int
-    ) -> tuple[np.ndarray, list[Grad]]:
-        """One compiled pass: losses and every variable's numpy per-example gradient, as
-        read-only views (see `Slice`)."""
-        try:
-            losses, grads = self._pass(weights, xs, y)
-        except tf.errors.InvalidArgumentError as err:
-            raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
-        return losses, [self._grad_or_zeros(grads, v, count) for v in self.variables]
-
-    @staticmethod
-    def _grad_or_zeros(grads: dict[str, Grad], variable: VariableSpec, count: int) -> Grad:
-        """A ruled layer that the forward pass never called has zero gradients."""
-        if variable.name in grads:
-            return grads[variable.name]
-        return np.zeros((count, *variable.shape), variable.dtype)
-
-    def iter_slices(self, x: Any, y: Any, **kwargs: Any) -> Iterator[SliceResult]:
-        """`blocks` of the batch (x, y), cast and checked here."""
-        return self.blocks(self.batch(x, y), **kwargs)
-
-    def blocks(
-        self,
-        batch: Batch,
-        *,
-        variables: Sequence[str] | None = None,
-        trainable: Sequence[tf.Tensor] | None = None,
-        **kwargs: Any,
-    ) -> Iterator[SliceResult]:
-        """Full per-example gradients of `batch` in blocks (`blocks.full_gradient_blocks`),
-        of the `variables` selected (None: all), on `trainable` values (None: the
-        model's)."""
-        selected = self.select(variables)
-        slices = self.slices(batch, trainable)
-        return full_gradient_blocks(slices, selected, self.slice_size, **kwargs)
-
     def per_example_gradients(self, x: Any, y: Any, **kwargs: Any) -> GradientResult:
         """`compute` on the batch (x, y), cast and checked here (float64 -> float32,
         int64 -> int32 where nothing is lost)."""
         return self.compute(self.batch(x, y), **kwargs)
-
-    def sink(
-        self,
-        size: int,
-        *,
-        reduction: str = NONE,
-        variables: Sequence[str] | None = None,
-        out: GradientResult | None = None,
-        **options: Any,
-    ) -> Sink:
-        """Where the results of a request of `size` examples go, its options checked here:
-        the engine is the edge that receives them in-process."""
-        try:
-            entry = CATALOGUE.get(reduction)
-            checked = CATALOGUE.check_options(entry, options)
-        except OptionError as err:
-            raise InvalidArgument(str(err)) from None
-        return self.checked_sink(size, entry, checked, variables=variables, out=out)
-
-    def checked_sink(
-        self,
-        size: int,
-        reduction: Reduction,
-        options: CheckedOptions,
-        *,
-        variables: Sequence[str] | None = None,
-        out: GradientResult | None = None,
-    ) -> Sink:
-        """`sink` for options checked where they arrived (the server's request parser)."""
-        selected = self.select(variables)
-        name = self.model.name
-        if reduction.name == NONE:
-            return FullGradients(
-                size, selected, self.loss_dtype, name, out=out, wire_dtype=options["wire_dtype"]
-            )
-        reduce = self.reductions.make(reduction.name, selected, options)
-        return Reduced(size, selected, reduce, self.loss_dtype, name)
 
     def compute(
         self,
@@ -388,32 +257,10 @@ class Engine:
         variables. `cancelled` is asked between slices; when it answers True the work
         stops with `Cancelled`.
         """
-        sink = self.sink(batch.size, **request)
-        return self.run(batch, sink, trainable=trainable, cancelled=cancelled)
+        sink = self.passes.sink(batch.size, **request)
+        return self.passes.run(batch, sink, trainable=trainable, cancelled=cancelled)
 
-    def run(
-        self,
-        batch: Batch,
-        sink: Sink,
-        *,
-        trainable: Sequence[tf.Tensor] | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> GradientResult:
-        """`batch`'s passes fed to `sink` (in the pass itself where the sink can); its
-        result. `compute` with the sink made already."""
-        in_pass = sink.in_pass
-        if in_pass is None or not isinstance(sink, Reduced):
-            for part in self.slices(batch, trainable):
-                _stop_if(cancelled, part.start, batch.size)
-                sink.add(part.start, part.losses, part.grads)
-            return sink.finish()
-        weights = self.weights(trainable)
-        for start in range(0, batch.size, self.slice_size):
-            _stop_if(cancelled, start, batch.size)
-            xs, y = batch.rows(slice(start, start + self.slice_size))
-            try:
-                losses, outputs = self._pass.reduced(in_pass, weights, xs, y, sink.max_norm)
-            except tf.errors.InvalidArgumentError as err:
-                raise InvalidArgument(f"the model refused the batch: {_first_line(err)}") from None
-            sink.add_in_pass(start, losses, outputs)
-        return sink.finish()
+    def iter_slices(self, x: Any, y: Any, **kwargs: Any) -> Iterator[SliceResult]:
+        """Full per-example gradients of the batch (x, y), cast and checked here, in
+        blocks as they are computed (`Passes.blocks`: `variables`, `trainable`, ...)."""
+        return self.passes.blocks(self.batch(x, y), **kwargs)

@@ -62,11 +62,11 @@ def same_bits_sizes(
     """The sizes up to `granule` (and `granule`) whose passes give every row
     bit-identical to the same row in a pass of `granule`, on a random probe batch."""
     xs, y = _probe(engine, granule)
-    weights = engine.weights(trainable)
-    want = engine.run_pass(weights, xs, y, granule)
+    weights = engine.passes.weights(trainable)
+    want = engine.passes.run_pass(weights, xs, y, granule)
     sizes = [granule]
-    for size in candidate_sizes(granule, every_size=engine.takes_any_pass_size):
-        got = engine.run_pass(weights, tuple(x[:size] for x in xs), y[:size], size)
+    for size in candidate_sizes(granule, every_size=engine.passes.takes_any_pass_size):
+        got = engine.passes.run_pass(weights, tuple(x[:size] for x in xs), y[:size], size)
         if _same_rows(got, want, size):
             sizes.append(size)
     return tuple(sorted(sizes))
@@ -151,7 +151,7 @@ def shared_rows(
     `sizes` (ascending, `same_bits_sizes`; default: `granule` only) that holds them. The
     rows are not yet reduced: each caller reduces its own (`Rows.into`), beside the others."""
     sizes = sizes or (granule,)
-    weights = engine.weights(trainable)
+    weights = engine.passes.weights(trainable)
     outcome: dict[int, Rows | Exception] = {}
     for pack in packs([job.batch.size for job in jobs], granule):
         live = []
@@ -188,7 +188,7 @@ def _pass(
     inputs = len(jobs[0].batch.xs)
     xs = tuple(_padded([job.batch.xs[k] for job in jobs], size) for k in range(inputs))
     y = _padded([job.batch.y for job in jobs], size)
-    losses, grads = engine.run_pass(weights, xs, y, size)
+    losses, grads = engine.passes.run_pass(weights, xs, y, size)
     parts, offset = [], 0
     for job in jobs:
         part = slice(offset, offset + job.batch.size)

@@ -62,7 +62,7 @@ def serve_model(
             type(model).__name__,
             engine.loss.description,
         )
-    weights = WeightsStore(engine.variables, engine.initial_weights())
+    weights = WeightsStore(engine.variables, engine.passes.initial_weights())
     return ServedModel(name, engine, weights, Trainer(model, optimizer), described)
 
 

@@ -198,7 +198,7 @@ def engine() -> Engine:
 
 
 def test_requests_for_different_weights_share_no_pass(engine) -> None:
-    store = WeightsStore(engine.variables, engine.initial_weights())
+    store = WeightsStore(engine.variables, engine.passes.initial_weights())
     first = store.current
     pairs = zip(engine.variables, first.trainable, strict=True)
     scaled = {v.name: 1.5 * w.numpy() for v, w in pairs}
@@ -207,7 +207,7 @@ def test_requests_for_different_weights_share_no_pass(engine) -> None:
     x, y = batch_for((784,), 10, 4)
 
     def compute(snapshot) -> GradientResult:
-        job = Job(engine.batch(x, y), engine.sink(4, reduction="norms"))
+        job = Job(engine.batch(x, y), engine.passes.sink(4, reduction="norms"))
         return coalescer.compute(job, snapshot)
 
     try:
@@ -224,13 +224,13 @@ def test_every_waiting_request_is_woken_for_its_turn(engine, monkeypatch) -> Non
     """3 callers with 4 requests each at once, over the two lanes: each request is woken
     when it may lead or is answered, never left to its poll (made a minute long here)."""
     monkeypatch.setattr(coalescer_module, "POLL_S", 60.0)
-    snapshot = WeightsStore(engine.variables, engine.initial_weights()).current
+    snapshot = WeightsStore(engine.variables, engine.passes.initial_weights()).current
     coalescer = Coalescer(engine, window_s=0.0, granule=GRANULE)
     x, y = batch_for((784,), 10, 4)
     results: list[GradientResult] = []
 
     def request(caller: str) -> None:
-        job = Job(engine.batch(x, y), engine.sink(4, reduction="norms"))
+        job = Job(engine.batch(x, y), engine.passes.sink(4, reduction="norms"))
         results.append(coalescer.compute(job, snapshot, caller))
 
     threads = [
@@ -264,7 +264,7 @@ def test_requests_of_different_sequence_lengths_each_get_their_own_result() -> N
     model = keras.Model(tokens, keras.layers.Dense(3)(pooled))
     engine = Engine(model, loss=LOSS, jit_compile=False)
     coalescer = Coalescer(engine, window_s=WINDOW_MS / 1000, granule=8)
-    snapshot = WeightsStore(engine.variables, engine.initial_weights()).current
+    snapshot = WeightsStore(engine.variables, engine.passes.initial_weights()).current
     rng = np.random.default_rng(0)
     batches = [
         (rng.integers(1, VOCABULARY, (size, length)).astype(np.int32), rng.integers(0, 3, size))
@@ -272,7 +272,7 @@ def test_requests_of_different_sequence_lengths_each_get_their_own_result() -> N
     ]
 
     def compute(x: np.ndarray, y: np.ndarray, caller: str) -> GradientResult:
-        job = Job(engine.batch(x, y), engine.sink(len(y), reduction="norms"))
+        job = Job(engine.batch(x, y), engine.passes.sink(len(y), reduction="norms"))
         return coalescer.compute(job, snapshot, caller)
 
     try:

@@ -31,7 +31,7 @@ def engine() -> Engine:
 
 @pytest.fixture()
 def store(engine: Engine) -> WeightsStore:
-    return WeightsStore(engine.variables, engine.initial_weights())
+    return WeightsStore(engine.variables, engine.passes.initial_weights())
 
 
 def _values(snapshot: Snapshot) -> list[np.ndarray]:

@@ -142,7 +142,7 @@ def test_initial_weights_keep_their_values_when_the_model_changes() -> None:
     """The values read are the server's first snapshot: a later write to the model's
     variables must not reach them."""
     engine, _ = _engine("mnist_mlp")
-    read = engine.initial_weights()
+    read = engine.passes.initial_weights()
     before = [t.numpy().copy() for t in read]
     for v in engine.model.trainable_variables:
         v.assign(v.value + 1)
@@ -275,7 +275,7 @@ def test_every_array_a_result_holds_is_the_callers_to_write(name: str) -> None:
     batch = engine.batch(x, y)
     for reduction, options in _every_reduction(engine).items():
         alone = engine.compute(batch, reduction=reduction, **options)
-        sink = engine.sink(batch.size, reduction=reduction, **options)
+        sink = engine.passes.sink(batch.size, reduction=reduction, **options)
         (rows,) = shared_rows(engine, [Job(batch, sink)], granule=4)
         assert _writeable(alone), reduction
         assert _writeable(rows.into(sink)), reduction

@@ -40,7 +40,7 @@ def test_packs_keep_requests_whole_in_order_within_the_granule(sizes: list[int])
 
 def _job(engine: Engine, size: int, seed: int, cancelled=None, **request) -> Job:
     x, y = batch_for((28, 28, 1), 10, size, seed=seed)
-    return Job(engine.batch(x, y), engine.sink(size, **request), cancelled)
+    return Job(engine.batch(x, y), engine.passes.sink(size, **request), cancelled)
 
 
 def test_each_job_gets_what_the_engine_computes_for_it_alone(engine: Engine) -> None:
@@ -72,7 +72,9 @@ def test_shared_clipped_sums_straddling_the_bound_match_the_oracle(engine: Engin
     _, grads = oracle.per_example(engine.model, LOSS, x.astype(np.float32), y)
     norms = oracle.per_example_norms(grads)
     max_norm = float(np.median(norms)) * (1 + 5e-4)  # some clipped, one just under
-    job = Job(engine.batch(x, y), engine.sink(8, reduction="clipped_sum", max_norm=max_norm), None)
+    job = Job(
+        engine.batch(x, y), engine.passes.sink(8, reduction="clipped_sum", max_norm=max_norm), None
+    )
     (result,) = computed_together(engine, [job], granule=GRANULE)
     assert result.num_clipped == int((norms > max_norm).sum()) > 0
     want = oracle.clipped_sum(grads, max_norm)

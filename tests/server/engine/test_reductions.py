@@ -339,7 +339,7 @@ def test_a_filter_naming_many_unknown_variables_quotes_a_few_short() -> None:
     engine = _engine("mnist_mlp")
     names = [f"{i:07d}" + "x" * 200 for i in range(100_000)]
     with pytest.raises(InvalidArgument) as err:
-        engine.select(names)
+        engine.passes.select(names)
     message = str(err.value)
     assert message.startswith(f"variables: unknown [{quoted(names[0])}, ")
     assert f"{quoted(names[2])}] and 99997 more; the model has [" in message
@@ -389,7 +389,7 @@ def test_conv_norms_and_clipped_sums_by_either_algebra_match_oracle(route: str) 
     if route == "in_pass":
         result = engine.per_example_gradients(x, y, **options)
     else:
-        job = Job(engine.batch(x, y), engine.sink(len(x), **options))
+        job = Job(engine.batch(x, y), engine.passes.sink(len(x), **options))
         (result,) = computed_together(engine, [job], granule=16)
     assert_close({"norms": result.norms}, {"norms": norms})
     assert_close(result.clipped_sum, oracle.clipped_sum(grads, max_norm))
