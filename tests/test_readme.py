@@ -135,21 +135,21 @@ def _engine_refusals() -> list[tuple[str, ast.expr | None]]:
 
 
 def test_the_refused_list_quotes_every_refusal_of_the_engine() -> None:
-    """The engine section's "Refused" paragraph quotes, from each message the engine
+    """The engine notes' "Refused models" paragraph quotes, from each message the engine
     refuses with, some of its literal text; and quotes nothing the engine never says."""
-    paragraph = next(p for p in _section("Engine").split("\n\n") if p.startswith("Refused"))
+    paragraph = next(p for p in ENGINE_NOTES.split("\n\n") if p.startswith("**Refused models"))
     quoted = _quoted(paragraph)
     refusals = _engine_refusals()
     assert refusals
     said = [part for _, message in refusals for part in _literal_parts(message)]
     unknown = [q for q in quoted if not any(q in part for part in said)]
-    assert not unknown, f"README's refused list quotes what the engine never says: {unknown}"
+    assert not unknown, f"the refused list quotes what the engine never says: {unknown}"
     missing = [
         where
         for where, message in refusals
         if not any(q in part for q in quoted for part in _literal_parts(message))
     ]
-    assert not missing, f"README's refused list quotes nothing of the refusals at {missing}"
+    assert not missing, f"the refused list quotes nothing of the refusals at {missing}"
 
 
 def test_every_reduction_and_option_is_in_the_readme() -> None:
