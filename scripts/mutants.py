@@ -393,7 +393,7 @@ MUTANTS = (
         (
             Edit(
                 "server/main.py",
-                '        "grpc.max_concurrent_streams": limits["open_connection_calls"],\n',
+                '        "grpc.max_concurrent_streams": limits.count("open_connection_calls"),\n',
                 "",
             ),
         ),

@@ -917,7 +917,7 @@ def test_internal_errors_carry_no_traceback_or_path(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("/srv/secret/engine.py line 12")
 
-    monkeypatch.setattr(registry.get("mnist_mlp").engine, "run_pass", broken)
+    monkeypatch.setattr(registry.get("mnist_mlp").engine.passes, "run_pass", broken)
     running = start(config, registry)
     x, y = batch_for((784,), 10, 2)
     try:
