@@ -104,6 +104,28 @@ def sgd_epoch(
     return version, float(np.concatenate(losses).mean())
 
 
+def plot_epochs(path: str, accuracy: list[float], epsilon: list[float], title: str) -> None:
+    """Test accuracy and the epsilon spent after each epoch, side by side, as an image
+    (matplotlib, a dev extra: imported only when a plot is asked for)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    epochs = range(1, len(accuracy) + 1)
+    figure, (left, right) = pyplot.subplots(1, 2, figsize=(9, 3.5), constrained_layout=True)
+    left.plot(epochs, accuracy, marker="o")
+    left.set(xlabel="epoch", ylabel="test accuracy", ylim=(0, 1))
+    right.plot(epochs, epsilon, marker="o", color="tab:red")
+    right.set(xlabel="epoch", ylabel="epsilon spent")
+    for axes in (left, right):
+        axes.set_xticks(list(epochs))
+        axes.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
 def print_summary(**values: object) -> None:
     """The closing `name: value` lines, one a line, that scripts and tests parse."""
     print("summary")

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from _common import print_summary
+from _common import plot_epochs, print_summary
 from dp_sgd import epsilon
 from tqdm import tqdm
 
@@ -156,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
     parser.add_argument("--vocabulary", type=int, default=1000)
     parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--plot", help="write test accuracy and epsilon per epoch to this PNG")
     parser.add_argument(
         "--seed",
         type=int,
@@ -186,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             version = info.model_version
             progress = tqdm(total=args.epochs * per_epoch, unit="step")
+            curve: dict[str, list[float]] = {"accuracy": [], "epsilon": []}
             for epoch in range(1, args.epochs + 1):
                 for _ in range(per_epoch):
                     rows = np.flatnonzero(rng.random(len(y_train)) < q)  # Poisson sampling
@@ -211,7 +213,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 spent = epsilon(q, args.noise_multiplier, epoch * per_epoch, args.delta)
                 test_accuracy = accuracy(client, x_test, y_test, version)
                 tqdm.write(f"epoch {epoch}: test accuracy {test_accuracy:.3f}, epsilon {spent:.3f}")
+                curve["accuracy"].append(test_accuracy)
+                curve["epsilon"].append(spent)
             progress.close()
+    if args.plot:
+        title = f"DP-LoRA, BERT rank {args.rank}: sigma={args.noise_multiplier}, C={args.max_norm}"
+        plot_epochs(args.plot, curve["accuracy"], curve["epsilon"], title)
     print_summary(
         train_examples=len(y_train),
         test_examples=len(y_test),

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import dp_accounting
 import numpy as np
-from _common import digits_split, predict, print_summary, server
+from _common import digits_split, plot_epochs, predict, print_summary, server
 from dp_accounting import pld
 from tqdm import tqdm
 
@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--seed", type=int, help="sampling and noise seed, to reproduce a run (default: fresh)"
     )
+    parser.add_argument("--plot", help="write test accuracy and epsilon per epoch to this PNG")
     args = parser.parse_args(argv)
 
     optimizer = f"sgd:momentum={args.momentum}"
@@ -123,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{client.model_info(args.model).optimizer} on the server"
         )
         progress = tqdm(total=args.epochs * steps_per_epoch, unit="step")
+        curve: dict[str, list[float]] = {"accuracy": [], "epsilon": []}
         for epoch in range(1, args.epochs + 1):
             for _ in range(steps_per_epoch):
                 batch = rng.random(len(x)) < q  # Poisson sampling
@@ -136,7 +138,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             accuracy = float(np.mean(predicted == y_test))
             spent = epsilon(q, args.noise_multiplier, epoch * steps_per_epoch, args.delta)
             tqdm.write(f"epoch {epoch}: test accuracy {accuracy:.3f}, epsilon {spent:.3f}")
+            curve["accuracy"].append(accuracy)
+            curve["epsilon"].append(spent)
         progress.close()
+    if args.plot:
+        title = f"DP-SGD, {args.model}: sigma={args.noise_multiplier}, C={args.max_norm}"
+        plot_epochs(args.plot, curve["accuracy"], curve["epsilon"], title)
     print_summary(
         model=args.model,
         train_examples=len(x),

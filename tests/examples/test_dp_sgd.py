@@ -3,6 +3,9 @@ is exactly clip, sum, seeded noise and SGD."""
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
 import dp_accounting
 import grpc
 import numpy as np
@@ -21,9 +24,24 @@ MAX_NORM, NOISE, LR, EXPECTED_BATCH = 5.5, 1.1, 0.3, 20.0
 
 
 @pytest.fixture(scope="module")
-def summary() -> dict[str, str]:
+def plot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("plot") / "dp_sgd.png"
+
+
+@pytest.fixture(scope="module")
+def summary(plot: Path) -> dict[str, str]:
     with fresh_target() as target:
-        return run_example("dp_sgd", "--target", target, "--epochs", "2", "--seed", "0")
+        args = ("--target", target, "--epochs", "2", "--seed", "0", "--plot", str(plot))
+        return run_example("dp_sgd", *args)
+
+
+def test_the_plot_asked_for_is_written_as_a_png_of_its_figure_size(
+    summary: dict[str, str], plot: Path
+) -> None:
+    data = plot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    assert (width, height) == (9 * 120, 420)  # 9 x 3.5 inches at 120 dpi
 
 
 def test_dp_sgd_test_accuracy_beats_chance_by_a_clear_margin(summary: dict[str, str]) -> None:
