@@ -88,6 +88,39 @@ class Pool:
             self._waiting.pop(place, None)
 
 
+def take_each(pools: list[Pool]) -> list[Place] | None:
+    """A place of each pool, or none at all."""
+    taken: list[Place] = []
+    for pool in pools:
+        place = pool.take()
+        if place is None:
+            for held in taken:
+                held.give_back()
+            return None
+        taken.append(place)
+    return taken
+
+
+class CallerPools:
+    """A pool of `limit` places for each caller (a token: the token file bounds how many
+    there are), made at the caller's first call; None for no limit."""
+
+    def __init__(self, limit: int | None) -> None:
+        self._limit = limit
+        self._pools: dict[str, Pool] = {}
+        self._lock = threading.Lock()
+
+    def of(self, caller: str | None) -> list[Pool]:
+        """The caller's pool, or none where there is no limit or no caller yet (without
+        tokens, a call arriving has no identity to share by)."""
+        if self._limit is None or caller is None:
+            return []
+        with self._lock:
+            if caller not in self._pools:
+                self._pools[caller] = Pool(self._limit)
+            return [self._pools[caller]]
+
+
 class Shares:
     """Each caller's share of a resource: at most `limit` of its calls hold it at once, so
     that one caller cannot hold all of it. The workers: a caller's further calls wait,
