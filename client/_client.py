@@ -14,17 +14,16 @@ import numpy as np
 from pergrad.client._call import Call, batch_of, rows_of
 from pergrad.client._channels import open_channel, replica_addresses
 from pergrad.client._credentials import Security
+from pergrad.client._methods import Methods
 from pergrad.client._spread import check_versions, computed, micro_batched, spread
-from pergrad.client._steps import StepResult, on_all, on_one, step_call
+from pergrad.client._steps import StepResult, on_all, on_one, step_call, step_request
 from pergrad.client._stream import pipelined
 from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
 from pergrad.client._weights import WeightsWriter, get_weights
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
-from pergrad.wire.chunks import identity
 from pergrad.wire.codec import DEFAULT_CHUNK_BYTES
 from pergrad.wire.results import GradientResult, side_by_side
-from pergrad.wire.rpc import method_path
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -77,32 +76,8 @@ class GradientClient:
         self._security = security or Security.of(**credentials)
         self._target, self._options = target, list(options)
         self._channel = open_channel(target, self._options, self._security)
-        self._stub = pb_grpc.GradientServiceStub(self._channel)
-        self._compute_call = self._channel.unary_stream(
-            method_path("ComputePerExampleGradients"),
-            request_serializer=pb.GradientsRequest.SerializeToString,
-            response_deserializer=identity,
-        )
-        self._info_call = self._channel.unary_unary(
-            method_path("GetModelInfo"),
-            request_serializer=pb.GetModelInfoRequest.SerializeToString,
-            response_deserializer=identity,
-        )
-        self._weights_call = self._channel.unary_stream(
-            method_path("GetWeights"),
-            request_serializer=pb.GetWeightsRequest.SerializeToString,
-            response_deserializer=identity,
-        )
-        self._stream_call = self._channel.stream_stream(
-            method_path("StreamPerExampleGradients"),
-            request_serializer=pb.GradientsRequest.SerializeToString,
-            response_deserializer=identity,
-        )
-        self._step_call = self._channel.unary_unary(
-            method_path("ApplyStep"),
-            request_serializer=pb.StepRequest.SerializeToString,
-            response_deserializer=pb.StepResponse.FromString,
-        )
+        self._methods = Methods(self._channel)
+        self._stub = self._methods.stub
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._max_in_flight = max_in_flight
@@ -147,7 +122,7 @@ class GradientClient:
 
     @rpc_errors
     def model_info(self, model: str, *, timeout: float | None = None) -> ModelInfo:
-        reply = self._info_call(
+        reply = self._methods.info(
             pb.GetModelInfoRequest(model=model), timeout=timeout or self._timeout
         )
         with answer_checked(f"model info of {model!r}: "):
@@ -241,7 +216,7 @@ class GradientClient:
     ) -> GradientResult:
         info = self._info(call.model)
         return computed(
-            self._compute_call,
+            self._methods.compute,
             info,
             call,
             call.request(info, x, y),
@@ -272,7 +247,7 @@ class GradientClient:
             compute = functools.partial(self.per_example_gradients, model, timeout=timeout, **call)
             return spread(self._pool, compute, batches, self._max_in_flight)
         results = pipelined(
-            self._stream_call,
+            self._methods.stream,
             self._info(model),
             request,
             batches,
@@ -286,7 +261,7 @@ class GradientClient:
     ) -> tuple[int, dict[str, np.ndarray]]:
         """(version, {variable: array}) of the model's current weights."""
         info = self._info(model)
-        header, arrays = get_weights(self._weights_call, info, timeout or self._timeout)
+        header, arrays = get_weights(self._methods.weights, info, timeout or self._timeout)
         self._seen(model, header.model_version, header.weights_id)
         return header.model_version, arrays
 
@@ -347,27 +322,14 @@ class GradientClient:
         call = self._call(model, reduction=reduction, model_version=model_version, **options)
         batch = step_call(call)  # refused here, before any replica computes
         timeout = timeout or self._timeout
-        step = pb.StepRequest(
-            model=model,
-            model_version=call.model_version,
-            weights_id=call.weights_id,
-            learning_rate=learning_rate,
-            expected_batch_size=expected_batch_size,
-        )
+        step = step_request(call, learning_rate, expected_batch_size)
         info, y = self._info(model), np.asarray(y)
         in_one_request = batch.examples_per_request(info, x, y) >= rows_of(y)
         if len(self._replicas) == 1 and in_one_request:
-            done = on_one(self._step_call, info, batch, x, y, step, timeout)
+            done = on_one(self._methods.step, info, batch, x, y, step, timeout)
         else:
-            result = self.per_example_gradients(
-                model,
-                x,
-                y,
-                reduction=reduction,
-                model_version=model_version,
-                timeout=timeout,
-                **options,
-            )
+            options.update(reduction=reduction, model_version=model_version)
+            result = self.per_example_gradients(model, x, y, timeout=timeout, **options)
             step.model_version = 0
             done = on_all(self._writer(), info, result, call, step, timeout)
         self._seen(model, done.model_version, done.weights_id)

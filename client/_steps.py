@@ -58,6 +58,17 @@ def step_call(call: Call) -> Call:
     return dataclasses.replace(call, model="", model_version=0, weights_id="")
 
 
+def step_request(call: Call, learning_rate: float, expected_batch_size: float) -> pb.StepRequest:
+    """The step's request, its batch set by the path that sends it (`on_one`, `on_all`)."""
+    return pb.StepRequest(
+        model=call.model,
+        model_version=call.model_version,
+        weights_id=call.weights_id,
+        learning_rate=learning_rate,
+        expected_batch_size=expected_batch_size,
+    )
+
+
 def on_one(
     stub_call: Any,
     info: ModelInfo,

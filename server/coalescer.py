@@ -41,7 +41,7 @@ LANES = 2
 # How often a request waiting for a pass looks whether its call has ended.
 POLL_S = 0.5
 UNRESOLVED_COALESCING = (
-    "--max-coalesced-batch auto must be made a number first (main.with_coalescing_resolved)"
+    "--max-coalesced-batch auto must be made a number first (devices.with_coalescing_resolved)"
 )
 
 

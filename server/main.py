@@ -16,6 +16,7 @@ from pergrad.server.admission.limits import Capacities, resolve, share
 from pergrad.server.admission.unparsed import Unparsed, request_bytes_limit
 from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
+from pergrad.server.devices import with_coalescing_resolved
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.registry import ModelRegistry, load_model
@@ -33,33 +34,6 @@ from pergrad.server.transport.tls import server_credentials
 from pergrad.wire.rpc import SERVICE_NAME
 
 _LOGGER = logging.getLogger(__name__)
-
-
-def configure_devices() -> None:
-    """Use a GPU when TensorFlow sees one, growing its memory instead of taking it all."""
-    import tensorflow as tf
-
-    gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
-    _LOGGER.info("devices: %s", ", ".join(d.name for d in gpus) or "CPU only")
-
-
-def with_coalescing_resolved(config: Config) -> Config:
-    """The config with --max-coalesced-batch auto made a number for this machine
-    (`Config.coalescing_bound`), as every part of the server then reads it."""
-    import tensorflow as tf
-
-    gpu = bool(tf.config.list_physical_devices("GPU"))
-    bound = config.coalescing_bound(gpu=gpu)
-    why = (
-        "set"
-        if config.max_coalesced_batch is not None
-        else "auto, " + ("a GPU is seen" if gpu else "CPU only")
-    )
-    sharing = "small requests share passes" if bound else "no shared passes"
-    _LOGGER.info("--max-coalesced-batch %d (%s): %s", bound, why, sharing)
-    return replace(config, max_coalesced_batch=bound)
 
 
 @dataclass
@@ -127,6 +101,15 @@ def server_options(config: Config, limits: Capacities) -> list[tuple[str, int]]:
     ]
 
 
+def _server_metrics(registry: ModelRegistry, limits: Capacities) -> ServerMetrics:
+    """The server's metrics, every bound's capacity and every model's version set."""
+    metrics = ServerMetrics()
+    metrics.limits_set(limits)
+    for name in registry.names:
+        metrics.model_served(name, registry.get(name).weights.current.version)
+    return metrics
+
+
 def start(config: Config, registry: ModelRegistry | None = None) -> RunningServer:
     """Start serving gRPC and /metrics (port 0 picks a free one); returns at once."""
     registry = registry or build_registry(config)
@@ -134,10 +117,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     config = replace(config, max_request_bytes=request_bytes_limit(config, registry))
     _LOGGER.info("--max-request-bytes %d", config.max_request_bytes)
     limits = resolve(config)
-    metrics = ServerMetrics()
-    metrics.limits_set(limits)
-    for name in registry.names:
-        metrics.model_served(name, registry.get(name).weights.current.version)
+    metrics = _server_metrics(registry, limits)
     assert config.metrics_port is not None  # derived in Config.__post_init__ where unset
     endpoint = serve_metrics(metrics, config.host, config.metrics_port)
     admission = Admission(

@@ -45,8 +45,9 @@ def serve(argv: Sequence[str]) -> int:
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     limit_arenas()
+    from pergrad.server.devices import configure_devices
     from pergrad.server.engine.cores import one_blas_thread
-    from pergrad.server.main import configure_devices, start
+    from pergrad.server.main import start
     from pergrad.server.models.keras_file import ModelLoadError
 
     try:

@@ -54,14 +54,7 @@ def apply_step(
     caller: str = "",
     held_bytes: int = 0,
 ) -> Step:
-    learning_rate = _positive(request.learning_rate, "learning_rate")
-    given = bool(request.gradient_sum)
-    if request.HasField("batch") == given:
-        raise InvalidArgument("ApplyStep: set exactly one of batch and gradient_sum")
-    if given and not request.expected_batch_size:
-        raise InvalidArgument("expected_batch_size: required with gradient_sum")
-    if request.expected_batch_size:
-        _positive(request.expected_batch_size, "expected_batch_size")
+    learning_rate, given = _checked(request)
     with served.trainer.turn(cancelled):
         snapshot = served.weights.get(request.model_version, request.weights_id)
         result: GradientResult | None = None
@@ -96,6 +89,19 @@ def apply_step(
         )
     moved = dict(zip((v.name for v in served.engine.variables), stepped.moved, strict=True))
     return Step(new, result, stepped.gradient_norm, moved)
+
+
+def _checked(request: pb.StepRequest) -> tuple[float, bool]:
+    """The step's learning rate, and whether it gives its gradient sum (else a batch)."""
+    learning_rate = _positive(request.learning_rate, "learning_rate")
+    given = bool(request.gradient_sum)
+    if request.HasField("batch") == given:
+        raise InvalidArgument("ApplyStep: set exactly one of batch and gradient_sum")
+    if given and not request.expected_batch_size:
+        raise InvalidArgument("expected_batch_size: required with gradient_sum")
+    if request.expected_batch_size:
+        _positive(request.expected_batch_size, "expected_batch_size")
+    return learning_rate, given
 
 
 def _batch_sum(

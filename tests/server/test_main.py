@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from pergrad.client import GradientClient
 from pergrad.server.config import AUTO_COALESCED_BATCH, Config
-from pergrad.server.main import start, with_coalescing_resolved
+from pergrad.server.devices import with_coalescing_resolved
+from pergrad.server.main import start
 from pergrad.server.models.registry import ModelRegistry
 from pergrad.server.service import GradientServicer
 from tests.helpers import READY, batch_for, loopback_config
@@ -79,7 +80,7 @@ def test_auto_coalescing_is_resolved_by_the_devices_tensorflow_sees(
     gpus: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: gpus)
-    with caplog.at_level(logging.INFO, logger="pergrad.server.main"):
+    with caplog.at_level(logging.INFO, logger="pergrad.server.devices"):
         resolved = with_coalescing_resolved(Config())
     assert resolved.max_coalesced_batch == (AUTO_COALESCED_BATCH if gpus else 0)
     assert f"--max-coalesced-batch {resolved.max_coalesced_batch} (auto, " in caplog.text
