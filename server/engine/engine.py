@@ -98,6 +98,17 @@ def _routes(engine: Engine, unreached: set[str]) -> tuple[str, ...]:
     )
 
 
+def _slice(
+    per_example: dict[str, int], slice_bytes: int, fallback: tuple[int, ...]
+) -> tuple[int, str]:
+    """Examples a slice holds, and why (`_slice_bound`): the bytes bound, or the
+    vectorized route's cap where any variable takes that route."""
+    size = max(1, slice_bytes // max(1, sum(per_example.values())))
+    if fallback and size > FALLBACK_MAX_SLICE:
+        return FALLBACK_MAX_SLICE, "the vectorized route's bound"
+    return size, _slice_bound(per_example, slice_bytes)
+
+
 def _slice_bound(per_example: dict[str, int], slice_bytes: int) -> str:
     """Why a slice holds as many examples as it does: the per-example bytes against the
     bound, and the variable whose per-example tensors are the largest."""
@@ -165,11 +176,7 @@ class Engine:
         self.routes = _routes(self, _unreached(model, self.loss, xs, y))
         weights = tuple(read_weights())
         per_example = self._tensorflow_bytes(weights, xs, y)
-        self.slice_size = max(1, slice_bytes // max(1, sum(per_example.values())))
-        self._slice_bound = _slice_bound(per_example, slice_bytes)
-        if self.plan.fallback and self.slice_size > FALLBACK_MAX_SLICE:
-            self.slice_size = FALLBACK_MAX_SLICE
-            self._slice_bound = "the vectorized route's bound"
+        self.slice_size, self._slice_bound = _slice(per_example, slice_bytes, self.plan.fallback)
         self._pass.slice_cap = self.slice_size
         self._pass.choose(weights, *self._pass.probe_batch(xs, y))
         self.passes = Passes(

@@ -8,6 +8,7 @@ from the vectorized route in the same `tf.function`.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,36 @@ def _ruled_pass(
     return losses, {p: combine(grads) for p, grads in per_variable.items() if p in paths}
 
 
+def _pass(
+    model: keras.Model,
+    loss: PerExampleLoss,
+    plan: Plan,
+    trainable: list[tf.Tensor],
+    xs: list[tf.Tensor],
+    y: tf.Tensor,
+    *,
+    vectorize: bool,
+) -> tuple[tf.Tensor, dict[str, Grad]]:
+    """Losses and every variable's per-example gradient: the ruled layers' from one
+    ordinary pass, the others' from the vectorized route."""
+    # Read once for the whole pass: each forward would otherwise read the variables
+    # itself (the fallback's once per example), and could see a write between reads; read
+    # apart, they cost a call of their own (0.29 ms of cnn_batch_norm's 2.7 here).
+    non_trainable = [tf.identity(v.value) for v in model.non_trainable_variables]
+    grads: dict[str, Grad] = {}
+    losses = None
+    if plan.ruled:
+        losses, grads = _ruled_pass(model, loss, plan, trainable, non_trainable, xs, y)
+    if plan.fallback:
+        fallback_losses, fallback = vectorized_gradients(
+            model, loss, trainable, non_trainable, xs, y, plan.fallback, vectorize=vectorize
+        )
+        losses = fallback_losses if losses is None else losses
+        paths = [v.path for v in model.trainable_variables]
+        grads |= {paths[i]: g for i, g in zip(plan.fallback, fallback, strict=True)}
+    return losses, grads
+
+
 def per_example_function(
     model: keras.Model,
     loss: PerExampleLoss,
@@ -64,10 +95,7 @@ def per_example_function(
     in_pass: InPass | None = None,
 ) -> Callable[..., tuple[tf.Tensor, Any]]:
     """(trainable, xs, y) -> (losses [B], {variable path: Grad}); xs holds one tensor per
-    model input. The non-trainable values (batch-norm statistics) are the model's own,
-    read once inside the function as it starts: read apart, they cost a call of their own
-    per pass (0.29 ms of cnn_batch_norm's 2.7 here, `benchmarks/zoo.py`).
-
+    model input; the non-trainable values (batch-norm statistics) are read inside (`_pass`).
     A fixed input signature makes each call cheaper than shape-keyed retracing (about
     1.5 ms less here). With `batch_size` the batch dimension is static in it, so the
     function handles exactly that many examples; else any number. `vectorize` as in
@@ -81,25 +109,7 @@ def per_example_function(
         [tf.TensorSpec([batch_size, *t.shape[1:]], t.dtype) for t in model.inputs],
         tf.TensorSpec([batch_size, *label_shape], label_dtype),
     ]
-
-    def per_example(
-        trainable: list[tf.Tensor], xs: list[tf.Tensor], y: tf.Tensor
-    ) -> tuple[tf.Tensor, dict[str, Grad]]:
-        # Read once for the whole pass: each forward would otherwise read the variables
-        # itself (the fallback's once per example), and could see a write between reads.
-        non_trainable = [tf.identity(v.value) for v in model.non_trainable_variables]
-        grads: dict[str, Grad] = {}
-        losses = None
-        if plan.ruled:
-            losses, grads = _ruled_pass(model, loss, plan, trainable, non_trainable, xs, y)
-        if plan.fallback:
-            fallback_losses, fallback = vectorized_gradients(
-                model, loss, trainable, non_trainable, xs, y, plan.fallback, vectorize=vectorize
-            )
-            losses = fallback_losses if losses is None else losses
-            grads |= {paths[i]: g for i, g in zip(plan.fallback, fallback, strict=True)}
-        return losses, grads
-
+    per_example = functools.partial(_pass, model, loss, plan, vectorize=vectorize)
     if in_pass is None:
         return tf.function(
             per_example, input_signature=signature, jit_compile=jit_compile, autograph=False

@@ -66,6 +66,13 @@ def _step(layer: keras.layers.Layer, zx: tf.Tensor, zh: tf.Tensor, states: list)
     return h_new, [h_new]
 
 
+def _initial_states(layer: keras.layers.Layer, given: Any, zeros: tf.Tensor) -> list[Any]:
+    """The states the recurrence starts from: those given, else zeros (an LSTM's two)."""
+    if given is not None:
+        return list(given) if isinstance(given, list | tuple) else [given]
+    return [zeros, zeros] if isinstance(layer, keras.layers.LSTM) else [zeros]
+
+
 def forward(
     layer: keras.layers.Layer,
     tape: tf.GradientTape,
@@ -90,12 +97,8 @@ def forward(
     gru = isinstance(layer, keras.layers.GRU)
     probe_h = tf.zeros_like(zx) if gru else probe_x
     tape.watch([probe_x, probe_h] if gru else probe_x)
-    batch, units = tf.shape(x)[0], cell.units
-    zeros = tf.zeros(tf.stack([batch, units]), layer.compute_dtype)
-    if initial_state is not None:
-        states = list(initial_state) if isinstance(initial_state, list | tuple) else [initial_state]
-    else:
-        states = [zeros, zeros] if isinstance(layer, keras.layers.LSTM) else [zeros]
+    zeros = tf.zeros(tf.stack([tf.shape(x)[0], cell.units]), layer.compute_dtype)
+    states = _initial_states(layer, initial_state, zeros)
     previous, outputs, output = [], [], zeros
     for t in range(steps):
         previous.append(states[0])
