@@ -188,9 +188,8 @@ MUTANTS = (
         (
             Edit(
                 "server/transport/guard.py",
-                "            if handler.response_streaming:\n"
-                "                return self._responses(result, context, method, on_error)\n",
-                "",
+                "        return stalls.responses(self._timer, result, context, method, on_error)\n",
+                "        return result\n",
             ),
         ),
         (

@@ -16,6 +16,7 @@ from functools import partial
 import numpy as np
 
 from pergrad.server.admission.inflight import Admission
+from pergrad.server.admission.unparsed import over_max_batch
 from pergrad.server.coalescer import Coalescer, granule_for
 from pergrad.server.engine import Batch, Engine
 from pergrad.server.engine.engine import fingerprint
@@ -24,7 +25,6 @@ from pergrad.server.engine.sinks import Sink
 from pergrad.server.errors import (
     FailedPrecondition,
     InvalidArgument,
-    RequestTooLarge,
 )
 from pergrad.server.memory import in_flight
 from pergrad.server.models.registry import ServedModel
@@ -36,8 +36,6 @@ from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import NONE
 from pergrad.wire.chunks import RawChunk, encode_chunk
 from pergrad.wire.codec import decode_tensor, iter_raw_chunks, wire_bytes
-from pergrad.wire.declared import declared_batches
-from pergrad.wire.fields import Unreadable
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 from pergrad.wire.terms import CheckedOptions
@@ -92,30 +90,11 @@ class Work:
         return dtype_named(name) if name else None
 
 
-def _over_max_batch(what: str, batch: int, max_batch: int) -> RequestTooLarge:
-    return RequestTooLarge(
-        f"{what}: batch of {batch} exceeds --max-batch {max_batch} "
-        "(ModelInfo.limits.max_batch); split it"
-    )
-
-
 def _decode(tensor: tensor_pb2.Tensor, what: str, max_batch: int) -> np.ndarray:
     """An array viewing the tensor's bytes, its batch size checked before anything else."""
     if tensor.shape and tensor.shape[0] > max_batch:
-        raise _over_max_batch(what, tensor.shape[0], max_batch)
+        raise over_max_batch(what, tensor.shape[0], max_batch)
     return decode_tensor(tensor, what=what)
-
-
-def oversized_batch(data: bytes, max_batch: int, *, in_field: int = 0) -> RequestTooLarge | None:
-    """The refusal of a gradients request (or, with `in_field`, of the one in this field
-    of a message) whose bytes declare a batch over --max-batch, found before it is
-    parsed; None where they declare none, or cannot be read but by parsing."""
-    try:
-        batches = list(declared_batches(data, in_field))
-    except Unreadable:
-        return None
-    over = [(what, batch) for what, batch in batches if batch > max_batch]
-    return _over_max_batch(*over[0], max_batch) if over else None
 
 
 def _decode_batch(

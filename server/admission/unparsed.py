@@ -13,20 +13,20 @@ from functools import partial
 import numpy as np
 
 from pergrad.server.config import Config
-from pergrad.server.errors import InvalidArgument, PergradServerError
-from pergrad.server.gradients import oversized_batch
+from pergrad.server.errors import InvalidArgument, PergradServerError, RequestTooLarge
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import Refusal
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import wire_dtype
 from pergrad.wire.declared import (
+    declared_batches,
     declared_model,
     declared_request_id,
     first_nested_string,
     holds_over,
 )
-from pergrad.wire.fields import field_bytes
+from pergrad.wire.fields import Unreadable, field_bytes
 
 # Gradients requests this large or larger have their batch read from their bytes before
 # they are parsed: upb parsed a 57 MiB request in 50-120 ms, but a small one in 1-30 us,
@@ -219,3 +219,23 @@ def _oversized_streamed_batch(data: bytes, max_batch: int) -> PergradServerError
     if error is None:
         return None
     return naming_request(error, declared_request_id(data))
+
+
+def over_max_batch(what: str, batch: int, max_batch: int) -> RequestTooLarge:
+    """The refusal of a batch over --max-batch (`what`: the tensor that holds it)."""
+    return RequestTooLarge(
+        f"{what}: batch of {batch} exceeds --max-batch {max_batch} "
+        "(ModelInfo.limits.max_batch); split it"
+    )
+
+
+def oversized_batch(data: bytes, max_batch: int, *, in_field: int = 0) -> RequestTooLarge | None:
+    """The refusal of a gradients request (or, with `in_field`, of the one in this field
+    of a message) whose bytes declare a batch over --max-batch, found before it is
+    parsed; None where they declare none, or cannot be read but by parsing."""
+    try:
+        batches = list(declared_batches(data, in_field))
+    except Unreadable:
+        return None
+    over = [(what, batch) for what, batch in batches if batch > max_batch]
+    return over_max_batch(*over[0], max_batch) if over else None
