@@ -87,6 +87,7 @@ bench: install
 	$(PY) benchmarks/project_seeds.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/latency.py
+	$(PY) benchmarks/server_cpu.py
 	$(PY) benchmarks/split.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
