@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.config import ConfigError
-from pergrad.server.engine.compiled import FlatCall
+from pergrad.server.engine.flat_call import FlatCall
 from pergrad.server.errors import Cancelled
 from pergrad.server.optimizer_spec import OptimizerSpec
 

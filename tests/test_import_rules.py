@@ -248,6 +248,7 @@ def test_the_client_and_the_wire_never_import_the_server_or_the_cli() -> None:
 # own package (rules do not import reductions, nor reductions rules).
 LEAF_SHARED = (
     "pergrad.server.engine.cores",
+    "pergrad.server.engine.flat_call",
     "pergrad.server.engine.grads",
     "pergrad.server.engine.layers",
     "pergrad.server.engine.slices",

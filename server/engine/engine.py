@@ -28,7 +28,8 @@ import tensorflow as tf
 
 from pergrad.server.engine.batch import Batch, InputSpec, input_specs, make_batch
 from pergrad.server.engine.blocks import SliceResult
-from pergrad.server.engine.compiled import CompiledPass, JitCompile, values_reader
+from pergrad.server.engine.compiled import CompiledPass, JitCompile
+from pergrad.server.engine.flat_call import values_reader
 from pergrad.server.engine.ids import ComputedIds
 from pergrad.server.engine.losses import LabelSpec, PerExampleLoss
 from pergrad.server.engine.passes import Passes

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from pergrad.server.engine.batch import Batch, embedding_ids
-from pergrad.server.engine.compiled import FlatCall
+from pergrad.server.engine.flat_call import FlatCall
 from pergrad.server.errors import InvalidArgument
 
 
