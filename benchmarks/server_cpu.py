@@ -61,7 +61,7 @@ MODES = {
 PHASES = (
     ("noise", ("random_streams.py", "box_muller.py", "/ln.py", "sincos.py")),
     ("reduction", ("/reductions/", "sinks.py", "in_pass.py")),
-    ("pass", ("compiled.py", "passes.py", "ruled.py", "engine/grads.py", "tensorflow/", "keras/")),
+    ("pass", ("compiled.py", "passes.py", "ruled.py", "engine/grads.py")),
     ("encode", ("wire/chunks.py", "result_header", "result_arrays", "iter_raw_chunks",
                 "wire_bytes")),
     ("parse", ("status.py", "declared.py", "wire/fields.py", "unparsed.py", "decode_tensor")),
@@ -107,12 +107,19 @@ def cpu_by_kind(before: dict, after: dict) -> dict[str, float]:
     return dict(used)
 
 
+# TensorFlow's and Keras's frames are the work of whichever frame of pergrad's called them
+# (the pass, noise, a reduction's products); a stack of theirs alone is the pass's.
+TENSORFLOW = ("/tensorflow/", "/keras/")
+
+
 def phase_of(frames: list[str]) -> str:
     for frame in reversed(frames):
+        if any(library in frame for library in TENSORFLOW):
+            continue
         for phase, patterns in PHASES:
             if any(pattern in frame for pattern in patterns):
                 return phase
-    return OTHER
+    return "pass" if any(lib in f for f in frames for lib in TENSORFLOW) else OTHER
 
 
 def sampled_phases(raw: str) -> collections.Counter[str]:
