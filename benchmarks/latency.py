@@ -54,7 +54,7 @@ from pergrad.client._call import Call
 from pergrad.client._receive import read_results
 from pergrad.client.local import LocalServer
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.coalescer import Coalescer, granule_for
+from pergrad.server.coalescer import Coalescer
 from pergrad.server.config import Config
 from pergrad.server.devices import with_coalescing_resolved
 from pergrad.server.engine.cores import one_blas_thread
@@ -63,6 +63,7 @@ from pergrad.server.engine.group import Job
 from pergrad.server.gradients import Settings, Work, prepare, responses
 from pergrad.server.main import build_registry
 from pergrad.server.models.registry import ServedModel
+from pergrad.server.sharing import granule_for
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.chunks import serialize
 

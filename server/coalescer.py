@@ -40,16 +40,6 @@ _LOGGER = logging.getLogger(__name__)
 LANES = 2
 # How often a request waiting for a pass looks whether its call has ended.
 POLL_S = 0.5
-UNRESOLVED_COALESCING = (
-    "--max-coalesced-batch auto must be made a number first (devices.with_coalescing_resolved)"
-)
-
-
-def granule_for(engine: Engine, max_coalesced_batch: int) -> int:
-    """Examples per shared pass: the largest power of two within both --max-coalesced-batch
-    and the engine's slice (its memory bound), so no padding beyond the compiled bucket."""
-    bound = min(max_coalesced_batch, engine.slice_size)
-    return 1 << (bound.bit_length() - 1)
 
 
 @dataclass(eq=False)
@@ -278,44 +268,3 @@ class Coalescer:
         if caller in self._running or any(p.caller == caller for p in self._waiting):
             return
         self._served.pop(caller, None)
-
-
-class Coalescers:
-    """The coalescers of a server's models, each started when its model is first asked."""
-
-    def __init__(
-        self,
-        *,
-        window_ms: float,
-        max_coalesced_batch: int | None,  # None: unresolved (`Config.coalescing_bound`)
-        on_pass: Callable[[str, int], None] | None = None,
-    ) -> None:
-        if max_coalesced_batch is None:
-            raise ValueError(UNRESOLVED_COALESCING)
-        self._window_s = window_ms / 1000
-        self._max = max_coalesced_batch
-        self._on_pass = on_pass
-        self._started: dict[str, Coalescer] = {}
-        self._lock = threading.Lock()
-
-    def get(self, name: str, engine: Engine) -> Coalescer | None:
-        """Model `name`'s coalescer; None when coalescing is off (--max-coalesced-batch 0)."""
-        if self._max == 0:
-            return None
-        with self._lock:
-            if name not in self._started:
-                report = self._on_pass
-                self._started[name] = Coalescer(
-                    engine,
-                    window_s=self._window_s,
-                    granule=granule_for(engine, self._max),
-                    on_pass=None if report is None else lambda requests: report(name, requests),
-                    name=name,
-                )
-            return self._started[name]
-
-    def close(self) -> None:
-        with self._lock:
-            started, self._started = list(self._started.values()), {}
-        for coalescer in started:
-            coalescer.close()

@@ -17,9 +17,8 @@ import numpy as np
 
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.unparsed import over_max_batch
-from pergrad.server.coalescer import Coalescer, granule_for
-from pergrad.server.engine import Batch, Engine
-from pergrad.server.engine.engine import fingerprint
+from pergrad.server.coalescer import Coalescer
+from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
 from pergrad.server.engine.sinks import Sink
 from pergrad.server.errors import (
@@ -29,6 +28,7 @@ from pergrad.server.errors import (
 from pergrad.server.memory import in_flight
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
+from pergrad.server.sharing import served_plan
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
@@ -53,19 +53,6 @@ class Settings:
     chunk_bytes: int
     replica_name: str
     max_coalesced_batch: int = 0
-
-
-def served_plan(engine: Engine, max_coalesced_batch: int) -> tuple[str, str]:
-    """What a replica reports of how it computes a model, and its fingerprint: the
-    engine's plan and whether small requests share passes, which decides their bits too
-    (a shared pass's rows are reduced outside it, a request alone inside its own)."""
-    if max_coalesced_batch:
-        granule = granule_for(engine, max_coalesced_batch)
-        sharing = f"requests of fewer than {granule} examples share passes"
-    else:
-        sharing = "no shared passes"
-    text = f"{engine.plan_text}; {sharing}"
-    return text, fingerprint(text)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,13 @@ from grpc_health.v1 import health_pb2_grpc
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import Capacities, resolve, share
 from pergrad.server.admission.unparsed import Unparsed, request_bytes_limit
-from pergrad.server.coalescer import Coalescers
 from pergrad.server.config import JIT_CHOICES, Config
 from pergrad.server.devices import with_coalescing_resolved
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.builtin import BUILTIN_MODELS
 from pergrad.server.models.registry import ModelRegistry, load_model
 from pergrad.server.service import GradientServicer, add_to_server
+from pergrad.server.sharing import Coalescers
 from pergrad.server.status import Refusal
 from pergrad.server.training import make_optimizer
 from pergrad.server.transport.auth import TokenAuthInterceptor, load_tokens

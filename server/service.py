@@ -18,17 +18,12 @@ from pergrad.server.admission.unparsed import (
     request_bytes_limit,
     variable_specs,
 )
-from pergrad.server.coalescer import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError
-from pergrad.server.gradients import (
-    Settings,
-    prepare,
-    responses,
-    served_plan,
-)
+from pergrad.server.gradients import Settings, prepare, responses
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.models.registry import ModelRegistry, ServedModel
+from pergrad.server.sharing import UNRESOLVED_COALESCING, Coalescers, served_plan
 from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked

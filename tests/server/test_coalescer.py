@@ -15,7 +15,7 @@ import pytest
 
 from pergrad.client import GradientClient, PergradError
 from pergrad.server import coalescer as coalescer_module
-from pergrad.server.coalescer import Coalescer, granule_for
+from pergrad.server.coalescer import Coalescer
 from pergrad.server.engine import Engine
 from pergrad.server.engine.group import Job
 from pergrad.server.main import RunningServer, start
@@ -247,12 +247,6 @@ def test_every_waiting_request_is_woken_for_its_turn(engine, monkeypatch) -> Non
         assert len(results) == len(threads)
     finally:
         coalescer.close()
-
-
-def test_a_pass_is_the_largest_power_of_two_within_the_flag_and_the_slice(engine) -> None:
-    assert granule_for(engine, 100) == 64
-    assert granule_for(engine, 1) == 1
-    assert granule_for(engine, 1 << 30) == 1 << (engine.slice_size.bit_length() - 1)
 
 
 def test_requests_of_different_sequence_lengths_each_get_their_own_result() -> None:
