@@ -8,6 +8,7 @@ picks `round_robin` and retries UNAVAILABLE; calls that must reach every replica
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ import grpc.experimental
 
 from pergrad.client._credentials import Security
 from pergrad.client._types import PergradError
+from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.wire.rpc import SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 << 20
@@ -123,3 +125,38 @@ def replica_addresses(target: str) -> list[str]:
             ) from None
         return sorted({_address(str(a[0]), int(a[1])) for *_, a in found})
     return [target]
+
+
+class Replicas:
+    """The servers a target names, resolved at first use (as gRPC's channels resolve
+    theirs: a client may be made before its Service exists), and a channel to each, opened
+    when a call must reach every one of them (`set_weights`, a step's update)."""
+
+    def __init__(
+        self,
+        target: str,
+        options: list[tuple[str, Any]],
+        security: Security,
+        stub: pb_grpc.GradientServiceStub,
+    ) -> None:
+        self._target, self._options, self._security, self._stub = target, options, security, stub
+        self._channels: list[grpc.Channel] = []
+
+    @functools.cached_property
+    def addresses(self) -> list[str]:
+        return replica_addresses(self._target)
+
+    def stubs(self) -> list[pb_grpc.GradientServiceStub]:
+        """A stub for each replica: the client's own where there is one."""
+        if len(self.addresses) == 1:
+            return [self._stub]
+        if not self._channels:
+            self._channels = [
+                open_channel(a, self._options, self._security, replica_of=self._target)
+                for a in self.addresses
+            ]
+        return [pb_grpc.GradientServiceStub(c) for c in self._channels]
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()

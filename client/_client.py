@@ -8,11 +8,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import grpc
 import numpy as np
 
 from pergrad.client._call import Call, batch_of, rows_of
-from pergrad.client._channels import open_channel, replica_addresses
+from pergrad.client._channels import Replicas, open_channel
 from pergrad.client._credentials import Security
 from pergrad.client._methods import Methods
 from pergrad.client._spread import check_versions, computed, micro_batched, spread
@@ -21,7 +20,6 @@ from pergrad.client._stream import pipelined
 from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
 from pergrad.client._weights import WeightsWriter, get_weights
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.wire.codec import DEFAULT_CHUNK_BYTES
 from pergrad.wire.results import GradientResult, side_by_side
 
@@ -91,7 +89,7 @@ class GradientClient:
         self._infos: dict[str, ModelInfo] = {}
         # (model, version) -> weights_id, as seen: a pinned version is pinned by content.
         self._ids: dict[tuple[str, int], str] = {}
-        self._replica_channels: list[grpc.Channel] = []
+        self._replicas = Replicas(target, self._options, self._security, self._stub)
 
     def __enter__(self) -> GradientClient:
         return self
@@ -102,18 +100,13 @@ class GradientClient:
     def close(self) -> None:
         for pool in (self._pool, self._parts):
             pool.shutdown(wait=False, cancel_futures=True)
-        for channel in [self._channel, *self._replica_channels]:
-            channel.close()
+        self._channel.close()
+        self._replicas.close()
 
     @property
     def replicas(self) -> list[str]:
-        """The server addresses the target names (a dns: name resolved at first use, as
-        gRPC's channels resolve theirs: a client may be made before its Service exists)."""
-        return list(self._replicas)
-
-    @functools.cached_property
-    def _replicas(self) -> list[str]:
-        return replica_addresses(self._target)
+        """The server addresses the target names (`Replicas.addresses`)."""
+        return list(self._replicas.addresses)
 
     @rpc_errors
     def list_models(self, *, timeout: float | None = None) -> list[str]:
@@ -243,7 +236,7 @@ class GradientClient:
         """
         request = self._call(model, timeout=timeout, **call)
         in_parts = len(request.reference_parts(self._info(model))) > 1
-        if len(self._replicas) > 1 or self._micro_batch or in_parts:
+        if len(self._replicas.addresses) > 1 or self._micro_batch or in_parts:
             compute = functools.partial(self.per_example_gradients, model, timeout=timeout, **call)
             return spread(self._pool, compute, batches, self._max_in_flight)
         results = pipelined(
@@ -325,7 +318,7 @@ class GradientClient:
         step = step_request(call, learning_rate, expected_batch_size)
         info, y = self._info(model), np.asarray(y)
         in_one_request = batch.examples_per_request(info, x, y) >= rows_of(y)
-        if len(self._replicas) == 1 and in_one_request:
+        if len(self._replicas.addresses) == 1 and in_one_request:
             done = on_one(self._methods.step, info, batch, x, y, step, timeout)
         else:
             options.update(reduction=reduction, model_version=model_version)
@@ -336,17 +329,10 @@ class GradientClient:
         return done
 
     def _writer(self) -> WeightsWriter:
-        """One stub per replica, for calls that must reach each of them."""
-        if len(self._replicas) == 1:
-            stubs = [self._stub]
-        else:
-            if not self._replica_channels:
-                self._replica_channels = [
-                    open_channel(a, self._options, self._security, replica_of=self._target)
-                    for a in self._replicas
-                ]
-            stubs = [pb_grpc.GradientServiceStub(c) for c in self._replica_channels]
-        return WeightsWriter(stubs, self._replicas, self._pool, self._chunk_bytes)
+        """Calls that must reach each replica."""
+        return WeightsWriter(
+            self._replicas.stubs(), self._replicas.addresses, self._pool, self._chunk_bytes
+        )
 
 
 def _upcast(result: GradientResult) -> GradientResult:
