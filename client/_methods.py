@@ -3,6 +3,9 @@ tensors arrive as bytes, decoded by pergrad's own reader (`wire.chunks`), not pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import grpc
 
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -14,28 +17,24 @@ from pergrad.wire.rpc import method_path
 class Methods:
     def __init__(self, channel: grpc.Channel) -> None:
         self.stub = pb_grpc.GradientServiceStub(channel)
-        self.compute = channel.unary_stream(
-            method_path("ComputePerExampleGradients"),
-            request_serializer=pb.GradientsRequest.SerializeToString,
-            response_deserializer=identity,
+        gradients = pb.GradientsRequest.SerializeToString
+
+        def method(kind: Callable[..., Any], name: str, request: Any, response: Any) -> Any:
+            path = method_path(name)
+            return kind(path, request_serializer=request, response_deserializer=response)
+
+        compute, stream = "ComputePerExampleGradients", "StreamPerExampleGradients"
+        self.compute = method(channel.unary_stream, compute, gradients, identity)
+        self.stream = method(channel.stream_stream, stream, gradients, identity)
+        self.info = method(
+            channel.unary_unary, "GetModelInfo", pb.GetModelInfoRequest.SerializeToString, identity
         )
-        self.info = channel.unary_unary(
-            method_path("GetModelInfo"),
-            request_serializer=pb.GetModelInfoRequest.SerializeToString,
-            response_deserializer=identity,
+        self.weights = method(
+            channel.unary_stream, "GetWeights", pb.GetWeightsRequest.SerializeToString, identity
         )
-        self.weights = channel.unary_stream(
-            method_path("GetWeights"),
-            request_serializer=pb.GetWeightsRequest.SerializeToString,
-            response_deserializer=identity,
-        )
-        self.stream = channel.stream_stream(
-            method_path("StreamPerExampleGradients"),
-            request_serializer=pb.GradientsRequest.SerializeToString,
-            response_deserializer=identity,
-        )
-        self.step = channel.unary_unary(
-            method_path("ApplyStep"),
-            request_serializer=pb.StepRequest.SerializeToString,
-            response_deserializer=pb.StepResponse.FromString,
+        self.step = method(
+            channel.unary_unary,
+            "ApplyStep",
+            pb.StepRequest.SerializeToString,
+            pb.StepResponse.FromString,
         )

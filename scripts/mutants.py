@@ -188,7 +188,7 @@ MUTANTS = (
         (
             Edit(
                 "server/transport/guard.py",
-                "        return stalls.responses(self._timer, result, context, method, on_error)\n",
+                "        return timed.responses(result, on_error)\n",
                 "        return result\n",
             ),
         ),

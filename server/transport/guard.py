@@ -56,7 +56,6 @@ from pergrad.server.admission.pools import (
 from pergrad.server.admission.refused import RefusedBytes
 from pergrad.server.errors import ResourceExhausted
 from pergrad.server.status import sized
-from pergrad.server.transport import stalls
 from pergrad.server.transport.auth import token_key
 from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
 from pergrad.server.transport.handlers import (
@@ -67,7 +66,7 @@ from pergrad.server.transport.handlers import (
     replaced,
 )
 from pergrad.server.transport.open_services import open_parser, refusing
-from pergrad.server.transport.stalls import StallTimer, one_request
+from pergrad.server.transport.stalls import StallTimer, TimedCall
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 
@@ -202,7 +201,7 @@ class CallGuard(grpc.ServerInterceptor):
         ) -> None:
             for place in places:
                 place.hold_until_done(context)
-            request = one_request(self._timer, iterator, context, method, waiting)
+            request = TimedCall(self._timer, context, method, waiting).one_request(iterator)
             return behavior(request, context, send)
 
         non_blocking(handle_watch)
@@ -220,13 +219,13 @@ class CallGuard(grpc.ServerInterceptor):
     ) -> Any:
         """The call served under the stall timer, its record (`call`: calls to the
         service) kept current, its request priced and a worker's permit taken."""
+        timed = TimedCall(self._timer, context, method, waiting, call)
         if handler.request_streaming:
             if call is not None:
                 wait_for_permit(self._permits, context)
-            requests = stalls.requests(self._timer, iterator, context, method, waiting, call)
-            result = behavior(requests, context)
+            result = behavior(timed.requests(iterator), context)
         else:
-            request = one_request(self._timer, iterator, context, method, waiting, call)
+            request = timed.one_request(iterator)
             if call is not None:
                 self._hold(request, call, context)
                 self._shares.take(call.caller, context)
@@ -235,7 +234,7 @@ class CallGuard(grpc.ServerInterceptor):
         if not handler.response_streaming:
             return result
         on_error = functools.partial(self._count, call) if call is not None else _nothing
-        return stalls.responses(self._timer, result, context, method, on_error)
+        return timed.responses(result, on_error)
 
     def _within_refused_budget(
         self, caller: str, method: str, context: grpc.ServicerContext

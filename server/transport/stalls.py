@@ -2,7 +2,7 @@
 gRPC under a stall timer (`StallTimer`), which cancels a call that has waited on its
 client for the stall timeout. Time the handler spends computing does not count: only
 waiting for a request, or for gRPC to send a response, which the client's reading paces.
-A call to a method that takes one request reads it here too (`one_request`), so waiting
+A call to a method that takes one request reads it here too (`TimedCall.one_request`), so waiting
 for it is timed; a call that ends with no request, or sends a second, is
 INVALID_ARGUMENT.
 """
@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -72,86 +73,83 @@ class StallTimer:
                 context.cancel()
 
 
-def requests(
-    timer: StallTimer,
-    iterator: Iterator[Any],
-    context: grpc.ServicerContext,
-    method: str,
-    waiting: Place | None = None,
-    call: calls.Call | None = None,
-) -> Iterator[Any]:
-    """The requests, each waited for under the stall timer (and, with `waiting`, an
-    open service's call, as one that may be evicted meanwhile, its requests refused
-    by the guard's open-service parser ending it). A call cancelled as stalled or evicted ends
-    CANCELLED, whichever way gRPC ends its request stream (it may end it normally,
-    which the handler would take for the client's end). Sized requests are handed on
-    bare, the latest one's bytes kept on the call's record (a stream's refusal is its
-    latest request's)."""
-    while True:
-        token = timer.start(context, method)
-        if waiting is not None:
-            waiting.waiting(context)
+@dataclass(frozen=True)
+class TimedCall:
+    """One call's waits on its client, each under the stall timer: the call's record
+    (`call`, for calls to the service) and, for an open service's call, its place
+    (`waiting`), which may be evicted while it waits."""
+
+    timer: StallTimer
+    context: grpc.ServicerContext
+    method: str
+    waiting: Place | None = None
+    call: calls.Call | None = None
+
+    def requests(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The requests, each waited for under the stall timer (an open service's
+        requests refused by the guard's open-service parser ending the call). A call
+        cancelled as stalled or evicted ends CANCELLED, whichever way gRPC ends its
+        request stream (it may end it normally, which the handler would take for the
+        client's end). Sized requests are handed on bare, the latest one's bytes kept on
+        the call's record (a stream's refusal is its latest request's)."""
+        while True:
+            item = self._next(iterator)
+            if item is _NOTHING:
+                return
+            if isinstance(item, Sized):
+                item, nbytes = item
+                if self.call is not None:
+                    self.call.request_bytes = nbytes
+            if self.waiting is not None and isinstance(item, RefusedRequest):
+                error = item.error
+                self.context.abort(grpc.StatusCode[error.code], f"{self.method}: {error}")
+            yield item
+
+    def _next(self, iterator: Iterator[Any]) -> Any:
+        context, method = self.context, self.method
+        token = self.timer.start(context, method)
+        if self.waiting is not None:
+            self.waiting.waiting(context)
         try:
-            item = next(iterator, _NOTHING)
+            return next(iterator, _NOTHING)
         finally:
-            if waiting is not None:
-                waiting.waiting(None)
-            if not timer.end(token):
+            if self.waiting is not None:
+                self.waiting.waiting(None)
+            if not self.timer.end(token):
                 context.abort(grpc.StatusCode.CANCELLED, _STALLED.format(method=method))
             if not context.is_active():  # evicted, or ended by its client
                 context.abort(grpc.StatusCode.CANCELLED, _ENDED.format(method=method))
-        if item is _NOTHING:
-            return
-        if isinstance(item, Sized):
-            item, nbytes = item
-            if call is not None:
-                call.request_bytes = nbytes
-        if waiting is not None and isinstance(item, RefusedRequest):
-            error = item.error
-            context.abort(grpc.StatusCode[error.code], f"{method}: {error}")
-        yield item
 
+    def one_request(self, iterator: Iterator[Any]) -> Any:
+        """The one request of a call to a method that takes one (then the client's end),
+        its size on the wire kept on the call's record."""
+        requests = self.requests(iterator)
+        try:
+            request = next(requests, _NOTHING)
+            more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
+        except grpc.RpcError:
+            # Stalled and cancelled, or ended by its client: counted as such, not UNKNOWN.
+            code = ended_by_client(self.context)
+            self.context.abort(code, "the call ended while its request was awaited")
+        if request is _NOTHING or more:
+            many = "none" if request is _NOTHING else "more than one"
+            self.context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.method} takes exactly one request, got {many}",
+            )
+        return request
 
-def responses(
-    timer: StallTimer,
-    iterator: Iterator[Any],
-    context: grpc.ServicerContext,
-    method: str,
-    on_error: Callable[[], None],
-) -> Iterator[Any]:
-    try:
-        for item in iterator:
-            token = timer.start(context, method)  # until gRPC has sent it and asks
-            try:
-                yield item
-            finally:
-                timer.end(token)
-    except BaseException:
-        on_error()
-        raise
-
-
-def one_request(
-    timer: StallTimer,
-    iterator: Iterator[Any],
-    context: grpc.ServicerContext,
-    method: str,
-    waiting: Place | None = None,
-    call: calls.Call | None = None,
-) -> Any:
-    """The one request of a call to a method that takes one (then the client's end),
-    its size on the wire kept on `call`."""
-    requests_ = requests(timer, iterator, context, method, waiting, call)
-    try:
-        request = next(requests_, _NOTHING)
-        more = request is not _NOTHING and next(requests_, _NOTHING) is not _NOTHING
-    except grpc.RpcError:
-        # Stalled and cancelled, or ended by its client: counted as such, not UNKNOWN.
-        code = ended_by_client(context)
-        context.abort(code, "the call ended while its request was awaited")
-    if request is _NOTHING or more:
-        many = "none" if request is _NOTHING else "more than one"
-        context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{method} takes exactly one request, got {many}"
-        )
-    return request
+    def responses(self, iterator: Iterator[Any], on_error: Callable[[], None]) -> Iterator[Any]:
+        """The responses, each handed to gRPC under the stall timer (until gRPC has sent
+        it and asks for the next: the client's reading paces it); `on_error` if they end
+        in an error."""
+        try:
+            for item in iterator:
+                token = self.timer.start(self.context, self.method)
+                try:
+                    yield item
+                finally:
+                    self.timer.end(token)
+        except BaseException:
+            on_error()
+            raise
