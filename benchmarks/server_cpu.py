@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -173,17 +174,12 @@ def measure(pid: int, call: Callable[[], object], count: int, callers: int, prof
     Python threads' samples by phase."""
     calls_from(callers, call, 50)  # warm: compiled functions, buffers, connections
     samples: collections.Counter[str] = collections.Counter()
-    with profiled(pid, samples) if profile else _nothing():
+    with profiled(pid, samples) if profile else contextlib.nullcontext():
         before = thread_cpu(pid)
         wall = calls_from(callers, call, count)
         after = thread_cpu(pid)
     per_call = {kind: seconds / count for kind, seconds in cpu_by_kind(before, after).items()}
     return {"rate": count / wall, "cpu": per_call, "samples": samples}
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def raw_call(channel: grpc.Channel, request: bytes) -> Callable[[], list[bytes]]:

@@ -206,3 +206,12 @@ def weights_families(registry: CollectorRegistry) -> WeightsFamilies:
             registry=registry,
         ),
     )
+
+
+def limit_gauge(registry: CollectorRegistry) -> Gauge:
+    return Gauge(
+        "pergrad_limit",
+        "Each bound's capacity, as this server resolved it (docs/operations.md, Limits).",
+        ("limit",),
+        registry=registry,
+    )

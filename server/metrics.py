@@ -22,7 +22,6 @@ from typing import NamedTuple
 import grpc
 from prometheus_client import (
     CollectorRegistry,
-    Gauge,
     GCCollector,
     PlatformCollector,
     ProcessCollector,
@@ -30,6 +29,7 @@ from prometheus_client import (
 
 from pergrad.server.gpu_memory import GpuMemoryCollector
 from pergrad.server.metric_families import (
+    limit_gauge,
     refusal_families,
     request_families,
     rpc_families,
@@ -57,12 +57,7 @@ class ServerMetrics:
         self._request = request_families(self.registry)
         self._refusal = refusal_families(self.registry)
         self._weights = weights_families(self.registry)
-        self._limit = Gauge(
-            "pergrad_limit",
-            "Each bound's capacity, as this server resolved it (docs/operations.md, Limits).",
-            ("limit",),
-            registry=self.registry,
-        )
+        self._limit = limit_gauge(self.registry)
 
     def _define_process_metrics(self) -> None:
         ProcessCollector(registry=self.registry)
