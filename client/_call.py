@@ -16,7 +16,7 @@ from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import CastError, arrays_by_input, cast
 from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
 from pergrad.wire.messages import gradients_request
-from pergrad.wire.results import ExpectedOutput, expected_outputs
+from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 
 # What a request holds besides its batch's rows, its options' tensors and the names it
 # carries, at most: scalar options, field tags; and per tensor, its name, dtype and shape.
@@ -37,6 +37,12 @@ class Call:
     timeout: float | None = None
     # The identity of the pinned version's weights, when the client has seen it.
     weights_id: str = ""
+
+    def delivered(self, result: GradientResult) -> GradientResult:
+        """The result as the caller asked for it: gradients as float32 with `upcast`."""
+        if self.upcast:
+            result.gradients = {k: g.astype(np.float32) for k, g in result.gradients.items()}
+        return result
 
     @classmethod
     def of(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +12,12 @@ import numpy as np
 from pergrad.client._call import Call, batch_of, rows_of
 from pergrad.client._channels import Replicas, open_channel
 from pergrad.client._credentials import Security
+from pergrad.client._known import Known
 from pergrad.client._methods import Methods
 from pergrad.client._spread import check_versions, computed, micro_batched, spread
 from pergrad.client._steps import StepResult, on_all, on_one, step_call, step_request
 from pergrad.client._stream import pipelined
-from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, answer_checked, rpc_errors
+from pergrad.client._types import MAX_MODEL_BYTES, ModelInfo, rpc_errors
 from pergrad.client._weights import WeightsWriter, get_weights
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.codec import DEFAULT_CHUNK_BYTES
@@ -34,9 +34,8 @@ class GradientClient:
             "dns:///name:50051" for every address of a name (a Kubernetes headless
             Service). gRPC's round_robin policy spreads calls over the replicas.
         security: TLS, client certificates and a token (`Security`); plaintext without.
-            Its fields may be given as keywords instead (`tls=True`, `root_certificates=`,
-            `certificate_chain=`, `private_key=`, `token=`, `server_name=`; see
-            `Security.of`).
+            Its fields may be given as keywords instead (`tls=True`, `token=`, ...: the
+            fields of `Security.of`).
         timeout: default deadline in seconds for each call.
         chunk_bytes: size of the chunks `set_weights` sends.
         max_in_flight: batches `stream` keeps on the wire before waiting for results.
@@ -44,10 +43,9 @@ class GradientClient:
             concurrently (on several replicas) and reassembled in order. A batch is
             split anyway where one request could not hold it (the server's limits).
         retries: times a call that found its replica gone is sent again.
-        max_model_bytes: the most bytes a model's variables may declare (its ModelInfo;
-            16 GiB): what `get_weights` allocates, and full gradients per example. A
-            server declaring more, or answering anything malformed, is not believed:
-            PergradError with DATA_LOSS.
+        max_model_bytes: the most bytes a model's variables may declare (16 GiB): a
+            server declaring more, or answering anything malformed, is not believed
+            (PergradError with DATA_LOSS).
         options: extra gRPC channel options.
     """
 
@@ -71,25 +69,18 @@ class GradientClient:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         if security is not None and credentials:
             raise ValueError(f"give security= or {sorted(credentials)}, not both")
-        self._security = security or Security.of(**credentials)
-        self._target, self._options = target, list(options)
-        self._channel = open_channel(target, self._options, self._security)
+        security = security or Security.of(**credentials)
+        self._channel = open_channel(target, list(options), security)
         self._methods = Methods(self._channel)
-        self._stub = self._methods.stub
-        self._timeout = timeout
-        self._chunk_bytes = chunk_bytes
-        self._max_in_flight = max_in_flight
-        self._micro_batch = micro_batch
-        self._retries = retries
-        self._max_model_bytes = max_model_bytes
+        self._replicas = Replicas(target, list(options), security, self._methods.stub)
+        self._known = Known(self._methods, max_model_bytes)
+        self._timeout, self._retries = timeout, retries
+        self._max_in_flight, self._micro_batch = max_in_flight, micro_batch
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pergrad-client")
         # The parts of one call, apart from the calls `stream` spreads over `_pool`: a
         # call on a pool thread waits for its parts, which must not wait for it.
         self._parts = ThreadPoolExecutor(max_workers=8, thread_name_prefix="pergrad-parts")
-        self._infos: dict[str, ModelInfo] = {}
-        # (model, version) -> weights_id, as seen: a pinned version is pinned by content.
-        self._ids: dict[tuple[str, int], str] = {}
-        self._replicas = Replicas(target, self._options, self._security, self._stub)
+        self._writer = WeightsWriter(self._replicas, self._pool, chunk_bytes)
 
     def __enter__(self) -> GradientClient:
         return self
@@ -110,36 +101,21 @@ class GradientClient:
 
     @rpc_errors
     def list_models(self, *, timeout: float | None = None) -> list[str]:
-        reply = self._stub.ListModels(pb.ListModelsRequest(), timeout=timeout or self._timeout)
+        reply = self._methods.stub.ListModels(
+            pb.ListModelsRequest(), timeout=timeout or self._timeout
+        )
         return list(reply.models)
 
     @rpc_errors
     def model_info(self, model: str, *, timeout: float | None = None) -> ModelInfo:
-        reply = self._methods.info(
-            pb.GetModelInfoRequest(model=model), timeout=timeout or self._timeout
-        )
-        with answer_checked(f"model info of {model!r}: "):
-            info = ModelInfo.from_proto(
-                pb.ModelInfo.FromString(reply), max_bytes=self._max_model_bytes
-            )
-        self._infos[model] = info
-        self._seen(model, info.model_version, info.weights_id)
-        return info
-
-    def _seen(self, model: str, version: int, weights_id: str) -> None:
-        if weights_id:
-            self._ids[model, version] = weights_id
+        return self._known.fetch(model, timeout or self._timeout)
 
     def _call(self, model: str, **call: Any) -> Call:
-        """The call's options checked, its pinned version pinned by content if known."""
-        checked = Call.of(model, **call)
-        known = self._ids.get((model, checked.model_version), "")
-        if checked.weights_id or not checked.model_version or not known:
-            return checked
-        return dataclasses.replace(checked, weights_id=known)
+        return self._known.pinned(Call.of(model, **call))
 
+    @rpc_errors
     def _info(self, model: str) -> ModelInfo:
-        return self._infos.get(model) or self.model_info(model)
+        return self._known.info(model, self._timeout)
 
     def per_example_gradients(
         self,
@@ -162,9 +138,8 @@ class GradientClient:
                 {variable: [K, *shape]}) or "project" (dim, seed, kind="rademacher" or
                 "gaussian"); `pergrad.wire.catalogue` holds every option and output.
             variables: restrict any reduction to these variables.
-            model_version: pin the weights: FAILED_PRECONDITION unless it is current (and,
-                when this client has seen that version, unless they are the same weights:
-                a server restart starts versions again at 1).
+            model_version: pin the weights: FAILED_PRECONDITION unless it is current (and
+                unless they are the weights this client saw under it, if it did).
             weights_id: pin the weights by content (`result.weights_id`,
                 `model_info().weights_id`), whatever their version.
             wire_dtype: ("none") "float16" or "bfloat16" halves the bytes of full
@@ -181,16 +156,15 @@ class GradientClient:
         part) and puts the parts' dots side by side.
         """
         request = self._call(model, timeout=timeout or self._timeout, **call)
-        y = np.asarray(y)
-        parts = request.reference_parts(self._info(model))
+        y, parts = np.asarray(y), request.reference_parts(self._info(model))
         if len(parts) > 1:
             results = [self._batch(part, x, y) for part in parts]
             check_versions(results)
             result = side_by_side(results, into=out)
         else:
             result = self._batch(request, x, y, out=out)
-        self._seen(model, result.model_version, result.weights_id)
-        return _upcast(result) if request.upcast else result
+        self._known.seen(model, result.model_version, result.weights_id)
+        return request.delivered(result)
 
     def _batch(
         self, call: Call, x: Any, y: np.ndarray, out: GradientResult | None = None
@@ -234,19 +208,13 @@ class GradientClient:
         round_robin spreads them). `timeout` bounds the whole stream in the first case
         (default: no deadline) and each batch in the others.
         """
-        request = self._call(model, timeout=timeout, **call)
-        in_parts = len(request.reference_parts(self._info(model))) > 1
+        request, info = self._call(model, timeout=timeout, **call), self._info(model)
+        in_parts = len(request.reference_parts(info)) > 1
         if len(self._replicas.addresses) > 1 or self._micro_batch or in_parts:
             compute = functools.partial(self.per_example_gradients, model, timeout=timeout, **call)
             return spread(self._pool, compute, batches, self._max_in_flight)
-        results = pipelined(
-            self._methods.stream,
-            self._info(model),
-            request,
-            batches,
-            max_in_flight=self._max_in_flight,
-        )
-        return (_upcast(r) for r in results) if request.upcast else results
+        results = pipelined(self._methods.stream, info, request, batches, self._max_in_flight)
+        return map(request.delivered, results)
 
     @rpc_errors
     def get_weights(
@@ -255,7 +223,7 @@ class GradientClient:
         """(version, {variable: array}) of the model's current weights."""
         info = self._info(model)
         header, arrays = get_weights(self._methods.weights, info, timeout or self._timeout)
-        self._seen(model, header.model_version, header.weights_id)
+        self._known.seen(model, header.model_version, header.weights_id)
         return header.model_version, arrays
 
     def set_weights(
@@ -273,14 +241,14 @@ class GradientClient:
         each other. With several replicas they all get the same new version: one more
         than the highest any of them has. Arrays are cast to the variables' dtypes.
         """
-        version, weights_id = self._writer().set(
+        version, weights_id = self._writer.set(
             self._info(model),
             weights,
             expected_version=expected_version,
-            expected_id=self._ids.get((model, expected_version), "") if expected_version else "",
+            expected_id=self._known.id_of(model, expected_version),
             timeout=timeout or self._timeout,
         )
-        self._seen(model, version, weights_id)
+        self._known.seen(model, version, weights_id)
         return version
 
     @rpc_errors
@@ -314,9 +282,8 @@ class GradientClient:
         """
         call = self._call(model, reduction=reduction, model_version=model_version, **options)
         batch = step_call(call)  # refused here, before any replica computes
-        timeout = timeout or self._timeout
         step = step_request(call, learning_rate, expected_batch_size)
-        info, y = self._info(model), np.asarray(y)
+        info, y, timeout = self._info(model), np.asarray(y), timeout or self._timeout
         in_one_request = batch.examples_per_request(info, x, y) >= rows_of(y)
         if len(self._replicas.addresses) == 1 and in_one_request:
             done = on_one(self._methods.step, info, batch, x, y, step, timeout)
@@ -324,17 +291,6 @@ class GradientClient:
             options.update(reduction=reduction, model_version=model_version)
             result = self.per_example_gradients(model, x, y, timeout=timeout, **options)
             step.model_version = 0
-            done = on_all(self._writer(), info, result, call, step, timeout)
-        self._seen(model, done.model_version, done.weights_id)
+            done = on_all(self._writer, info, result, call, step, timeout)
+        self._known.seen(model, done.model_version, done.weights_id)
         return done
-
-    def _writer(self) -> WeightsWriter:
-        """Calls that must reach each replica."""
-        return WeightsWriter(
-            self._replicas.stubs(), self._replicas.addresses, self._pool, self._chunk_bytes
-        )
-
-
-def _upcast(result: GradientResult) -> GradientResult:
-    result.gradients = {k: g.astype(np.float32) for k, g in result.gradients.items()}
-    return result

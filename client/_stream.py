@@ -25,7 +25,6 @@ def pipelined(
     info: ModelInfo,
     call: Call,
     batches: Iterable[tuple[Any, Any]],
-    *,
     max_in_flight: int,
 ) -> Iterator[GradientResult]:
     """Results in request order; at most `max_in_flight` batches wait for theirs. A batch

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 import numpy as np
 
+from pergrad.client._channels import Replicas
 from pergrad.client._types import ModelInfo, PergradError, answer_checked
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -54,15 +55,8 @@ def _messages(
 class WeightsWriter:
     """SetWeights on every replica at once, with one common new version."""
 
-    def __init__(
-        self,
-        stubs: Sequence[pb_grpc.GradientServiceStub],
-        addresses: Sequence[str],
-        pool: ThreadPoolExecutor,
-        chunk_bytes: int,
-    ) -> None:
-        self._stubs, self._addresses = list(stubs), list(addresses)
-        self._pool, self._chunk_bytes = pool, chunk_bytes
+    def __init__(self, replicas: Replicas, pool: ThreadPoolExecutor, chunk_bytes: int) -> None:
+        self._replicas, self._pool, self._chunk_bytes = replicas, pool, chunk_bytes
 
     def set(
         self,
@@ -79,7 +73,9 @@ class WeightsWriter:
             name: np.ascontiguousarray(value, dtype=dtypes.get(name))
             for name, value in weights.items()
         }
-        new_version = self.next_version(info.name, timeout) if len(self._stubs) > 1 else 0
+        new_version = (
+            self.next_version(info.name, timeout) if len(self._replicas.addresses) > 1 else 0
+        )
 
         def send(stub: pb_grpc.GradientServiceStub) -> tuple[int, str]:
             header = pb.WeightsHeader(
@@ -103,9 +99,9 @@ class WeightsWriter:
 
     def on_all(self, fn: Callable[[pb_grpc.GradientServiceStub], Any]) -> list[Any]:
         """fn on every replica at once; an error names each replica that failed."""
-        futures = [self._pool.submit(fn, stub) for stub in self._stubs]
+        futures = [self._pool.submit(fn, stub) for stub in self._replicas.stubs()]
         results, failures = [], []
-        for address, future in zip(self._addresses, futures, strict=True):
+        for address, future in zip(self._replicas.addresses, futures, strict=True):
             try:
                 results.append(future.result())
             except grpc.RpcError as err:
@@ -113,6 +109,6 @@ class WeightsWriter:
         if failures:
             code = failures[0][1].code()
             detail = "; ".join(f"{a}: {e.code().name} {e.details()}" for a, e in failures)
-            total = len(self._stubs)
-            raise PergradError(code, f"{len(failures)} of {total} replicas failed: {detail}")
+            failed = f"{len(failures)} of {len(futures)} replicas failed"
+            raise PergradError(code, f"{failed}: {detail}")
         return results
