@@ -214,7 +214,7 @@ class GradientClient:
             compute = functools.partial(self.per_example_gradients, model, timeout=timeout, **call)
             return spread(self._pool, compute, batches, self._max_in_flight)
         results = pipelined(self._methods.stream, info, request, batches, self._max_in_flight)
-        return map(request.delivered, results)
+        return (request.delivered(r) for r in results) if request.upcast else results
 
     @rpc_errors
     def get_weights(

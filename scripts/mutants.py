@@ -319,13 +319,13 @@ MUTANTS = (
     ),
     Mutant(
         "worker_share_one_call_too_many",
-        "a caller computes one call more than its half of the workers: with 2 workers one "
-        "token holds both and another token's call waits",
+        "a caller holds one place more than its share of a pool: with 2 workers one "
+        "token computes on both and another token's call waits",
         (
             Edit(
                 "server/admission/pools.py",
-                "while self._held.get(caller, 0) >= self.limit:",
-                "while self._held.get(caller, 0) > self.limit:",
+                "self._by_caller[caller] < cap",
+                "self._by_caller[caller] <= cap",
             ),
         ),
         (

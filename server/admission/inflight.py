@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from pergrad.server.admission.callers import Held
 from pergrad.server.admission.limits import share
 from pergrad.server.errors import RequestTooLarge, ResourceExhausted
 
@@ -28,7 +29,7 @@ class Admission:
         self.caller_bytes = share(max_bytes)
         self._examples = 0
         self._bytes = 0
-        self._by_caller: dict[str, int] = {}
+        self._by_caller = Held()
         self._lock = threading.Lock()
 
     @contextmanager
@@ -58,7 +59,7 @@ class Admission:
                 "smaller batches"
             )
         with self._lock:
-            mine = self._by_caller.get(caller, 0)
+            mine = self._by_caller[caller]
             if mine > own and mine + nbytes > self.caller_bytes:
                 raise ResourceExhausted(
                     f"this caller's calls hold {mine} bytes, and with {nbytes} {what} more "
@@ -75,15 +76,11 @@ class Admission:
                 )
             self._examples += examples
             self._bytes += nbytes
-            self._by_caller[caller] = mine + nbytes
+            self._by_caller.add(caller, nbytes)
         return lambda: self._give(examples, nbytes, caller)
 
     def _give(self, examples: int, nbytes: int, caller: str) -> None:
         with self._lock:
             self._examples -= examples
             self._bytes -= nbytes
-            left = self._by_caller.get(caller, 0) - nbytes
-            if left > 0:
-                self._by_caller[caller] = left
-            else:
-                self._by_caller.pop(caller, None)
+            self._by_caller.remove(caller, nbytes)

@@ -1,29 +1,33 @@
-"""The places calls take: a pool of places of one kind (`Pool`: at most `limit` calls,
-refusing or evicting when full), each caller's part of a resource (`Shares`: waiting or
-refused past its share), and the workers' permits (`wait_for_permit`). Each place is
-given back once, when its call ends; none expires."""
+"""The places calls take, one primitive for every kind (calls, streams, workers, the open
+services' calls and health Watches): a `Pool` of `limit` places, a caller holding at most
+`per_caller` of them. A call takes a place as it arrives, refused (or evicting an idle
+call) when the pool is full (`take`), or once its request has arrived, waiting its turn
+(`wait_for`); it gives it back once, when it ends. None expires."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from dataclasses import dataclass
 
 import grpc
 
-_NO_WORKER = "the call ended while it waited for a worker"
+from pergrad.server.admission.callers import Held
+
+_ENDED_WAITING = "the call ended while it waited for a worker"
 # An open call waiting this long on its client may lose its place to a new one.
 EVICTABLE_AFTER_S = 0.5
-# How often a call waiting for a worker's permit looks whether it has ended.
-PERMIT_POLL_S = 0.5
+# How often a call waiting for a place looks whether it has ended.
+WAIT_POLL_S = 0.5
 
 
 class Place:
-    """One admitted call's place: given back once, when the call ends (or when it is
-    evicted); while its call waits on its client it is `waiting` with its context."""
+    """One call's place: given back once, when the call ends (or when it is evicted);
+    while its call waits on its client it is `waiting`, with its context."""
 
-    def __init__(self, places: Pool) -> None:
-        self._places = places
+    def __init__(self, pool: Pool, caller: str | None) -> None:
+        self._pool, self.caller = pool, caller
         self.since = 0.0
 
     def waited(self, seconds: float) -> bool:
@@ -34,45 +38,97 @@ class Place:
         if not context.add_callback(self.give_back):
             self.give_back()
 
+    def claim(self, caller: str) -> bool:
+        """Count the place against `caller` (known only once its call runs: a connection),
+        unless that caller holds its share of the pool already."""
+        return self._pool.claim(self, caller)
+
     def waiting(self, context: grpc.ServicerContext | None) -> None:
         """The call waits on its client (`context`), or no longer (None)."""
-        self._places.mark_waiting(self, context)
+        self._pool.mark_waiting(self, context)
 
     def give_back(self) -> None:
-        self._places.give_back(self)
+        self._pool.give_back(self)
+
+
+@dataclass(eq=False)
+class _Turn:
+    """A call waiting for a place: the place is handed to it, counted already."""
+
+    caller: str | None
+    ready: threading.Condition
+    place: Place | None = None
 
 
 class Pool:
-    """Calls of one kind admitted and not yet ended, at most `limit`. A place is taken as
-    the call arrives (gRPC's poll thread) and given back when it ends. gRPC runs the
-    handler of every call the guard admits (its own limit lies above the sum of the
-    guard's: the `grpc_calls` limit), so no place is lost and none needs to expire.
-    With `evict`, a call arriving at the limit takes the place of the one that has waited
-    on its client longest, if for EVICTABLE_AFTER_S at least, which is cancelled: callers
-    that send nothing cannot lock out those that do, and a call whose request is on its
-    way is never cut off by one that arrived just after it."""
+    """At most `limit` places held at once, and `per_caller` by one caller (None: no cap;
+    a place taken with no caller counts against none). gRPC runs the handler of every call
+    the guard admits (its own limit lies above the sum of the guard's: the `grpc_calls`
+    limit), so no place is lost and none needs to expire.
 
-    def __init__(self, limit: int, *, evict: bool = False) -> None:
-        self.limit = limit
+    When full, `take` refuses; with `evict`, a call arriving takes the place of the one
+    that has waited on its client longest, if for EVICTABLE_AFTER_S at least, which is
+    cancelled: callers that send nothing cannot lock out those that do, and a call whose
+    request is on its way is never cut off by one that arrived just after it.
+    `wait_for` waits instead, in arrival order: a place given back goes to the first
+    waiting call it fits, and wakes that one alone (waking every waiter at each end cost
+    0.4-1.1 ms of CPU a call with 16 waiting: `benchmarks/server_cpu.py`)."""
+
+    def __init__(self, limit: int, *, per_caller: int | None = None, evict: bool = False) -> None:
+        self.limit, self.per_caller = limit, per_caller
         self._evict = evict
         self._held: set[Place] = set()
-        self._waiting: dict[Place, grpc.ServicerContext] = {}  # oldest first
+        self._by_caller = Held()
+        self._waiting: dict[Place, grpc.ServicerContext] = {}  # on their clients, oldest first
+        self._turns: deque[_Turn] = deque()  # calls waiting for a place, oldest first
         self._lock = threading.Lock()
 
-    def take(self) -> Place | None:
+    def take(self, caller: str | None = None) -> Place | None:
+        """A place at once, or None (refused)."""
         evicted = None
         with self._lock:
+            if not self._caller_fits(caller):
+                return None
             if len(self._held) >= self.limit:
                 oldest = next(iter(self._waiting), None)
                 if not self._evict or oldest is None or not oldest.waited(EVICTABLE_AFTER_S):
                     return None
                 evicted = self._waiting.pop(oldest)
-                self._held.discard(oldest)
-            place = Place(self)
-            self._held.add(place)
+                self._remove(oldest)
+            place = self._add(caller)
         if evicted is not None:
             evicted.cancel()
         return place
+
+    def wait_for(self, caller: str | None, context: grpc.ServicerContext) -> None:
+        """A place held until the call ends, once it is the call's turn; a call that ends
+        while it waits gets CANCELLED."""
+        with self._lock:
+            place = self._add(caller) if self._fits(caller) else self._turn(caller, context)
+        if not context.add_callback(place.give_back):
+            place.give_back()
+            context.abort(grpc.StatusCode.CANCELLED, _ENDED_WAITING)
+
+    def _turn(self, caller: str | None, context: grpc.ServicerContext) -> Place:
+        """(holding the lock) Wait until a place is handed to this call."""
+        turn = _Turn(caller, threading.Condition(self._lock))
+        self._turns.append(turn)
+        while turn.place is None:
+            turn.ready.wait(WAIT_POLL_S)
+            if turn.place is None and not context.is_active():
+                self._turns.remove(turn)
+                context.abort(grpc.StatusCode.CANCELLED, _ENDED_WAITING)
+        return turn.place
+
+    def claim(self, place: Place, caller: str) -> bool:
+        with self._lock:
+            if place not in self._held:
+                return True  # evicted: its call is cancelled, and counts for no one
+            if not self._caller_fits(caller):
+                return False
+            place.caller = caller
+            self._by_caller.add(caller)
+            return True
 
     def mark_waiting(self, place: Place, context: grpc.ServicerContext | None) -> None:
         with self._lock:
@@ -84,121 +140,49 @@ class Pool:
 
     def give_back(self, place: Place) -> None:
         with self._lock:
-            self._held.discard(place)
-            self._waiting.pop(place, None)
+            if place in self._held:
+                self._waiting.pop(place, None)
+                self._remove(place)
+                self._hand_on()
+
+    def _caller_fits(self, caller: str | None) -> bool:
+        cap = self.per_caller
+        return caller is None or cap is None or self._by_caller[caller] < cap
+
+    def _fits(self, caller: str | None) -> bool:
+        return len(self._held) < self.limit and self._caller_fits(caller)
+
+    def _add(self, caller: str | None) -> Place:
+        place = Place(self, caller)
+        self._held.add(place)
+        if caller is not None:
+            self._by_caller.add(caller)
+        return place
+
+    def _remove(self, place: Place) -> None:
+        self._held.discard(place)
+        if place.caller is not None:
+            self._by_caller.remove(place.caller)
+
+    def _hand_on(self) -> None:
+        """(holding the lock) Places to the waiting calls they fit, oldest first."""
+        for turn in list(self._turns):
+            if len(self._held) >= self.limit:
+                break
+            if self._caller_fits(turn.caller):
+                self._turns.remove(turn)
+                turn.place = self._add(turn.caller)
+                turn.ready.notify()
 
 
-def take_each(pools: list[Pool]) -> list[Place] | None:
-    """A place of each pool, or none at all."""
+def take_each(wanted: list[tuple[Pool, str | None]]) -> list[Place] | None:
+    """A place of each pool for its caller, or none at all."""
     taken: list[Place] = []
-    for pool in pools:
-        place = pool.take()
+    for pool, caller in wanted:
+        place = pool.take(caller)
         if place is None:
             for held in taken:
                 held.give_back()
             return None
         taken.append(place)
     return taken
-
-
-class CallerPools:
-    """A pool of `limit` places for each caller (a token: the token file bounds how many
-    there are), made at the caller's first call; None for no limit."""
-
-    def __init__(self, limit: int | None) -> None:
-        self._limit = limit
-        self._pools: dict[str, Pool] = {}
-        self._lock = threading.Lock()
-
-    def of(self, caller: str | None) -> list[Pool]:
-        """The caller's pool, or none where there is no limit or no caller yet (without
-        tokens, a call arriving has no identity to share by)."""
-        if self._limit is None or caller is None:
-            return []
-        with self._lock:
-            if caller not in self._pools:
-                self._pools[caller] = Pool(self._limit)
-            return [self._pools[caller]]
-
-
-class Shares:
-    """Each caller's share of a resource: at most `limit` of its calls hold it at once, so
-    that one caller cannot hold all of it. The workers: a caller's further calls wait,
-    holding none (`take`); the open services' places: they are refused (`try_take`).
-
-    A call given back wakes one waiter of the same caller, not every waiter: with 16 calls
-    of one caller waiting, waking them all at each end cost 0.4-1.1 ms of CPU a call
-    (`benchmarks/server_cpu.py`, admission)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-        # A caller's waiting calls: its condition and how many wait on it (gone with the
-        # last, so that callers come and go without the table growing).
-        self._waiting: dict[str, tuple[threading.Condition, int]] = {}
-
-    def take(self, caller: str, context: grpc.ServicerContext) -> None:
-        """Wait for the caller's share, given back when the call ends; a call that ends
-        meanwhile waits no longer."""
-        with self._lock:
-            if self._held.get(caller, 0) >= self.limit:
-                self._wait_turn(caller, context)
-            self._held[caller] = self._held.get(caller, 0) + 1
-        if not context.add_callback(lambda: self._give_back(caller)):
-            self._give_back(caller)
-            context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
-
-    def _wait_turn(self, caller: str, context: grpc.ServicerContext) -> None:
-        """(holding the lock) Wait until the caller holds less than its share."""
-        turn, count = self._waiting.get(caller, (threading.Condition(self._lock), 0))
-        self._waiting[caller] = (turn, count + 1)
-        try:
-            while self._held.get(caller, 0) >= self.limit:
-                turn.wait(PERMIT_POLL_S)
-                if not context.is_active():
-                    turn.notify()  # the turn it may have been given goes to the next
-                    context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
-        finally:
-            turn, count = self._waiting[caller]
-            if count > 1:
-                self._waiting[caller] = (turn, count - 1)
-            else:
-                del self._waiting[caller]
-
-    def try_take(self, caller: str) -> Callable[[], None] | None:
-        """One of the caller's share at once, or None if it holds all of it: returns the
-        function that gives it back (once, however often and from whichever threads it
-        is called)."""
-        with self._lock:
-            if self._held.get(caller, 0) >= self.limit:
-                return None
-            self._held[caller] = self._held.get(caller, 0) + 1
-        once = threading.Lock()
-
-        def give_back() -> None:
-            if once.acquire(blocking=False):
-                self._give_back(caller)
-
-        return give_back
-
-    def _give_back(self, caller: str) -> None:
-        with self._lock:
-            left = self._held.get(caller, 0) - 1
-            if left > 0:
-                self._held[caller] = left
-            else:
-                self._held.pop(caller, None)
-            if caller in self._waiting:
-                self._waiting[caller][0].notify()
-
-
-def wait_for_permit(permits: threading.Semaphore, context: grpc.ServicerContext) -> None:
-    """Wait for one of the workers' permits, held until the call ends (FIFO enough: the
-    semaphore wakes waiters in turn); a call that ends meanwhile waits no longer."""
-    while not permits.acquire(timeout=PERMIT_POLL_S):
-        if not context.is_active():
-            context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)
-    if not context.add_callback(permits.release):
-        permits.release()
-        context.abort(grpc.StatusCode.CANCELLED, _NO_WORKER)

@@ -34,7 +34,6 @@ calls leave workers to the others. This interceptor:
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,14 +44,7 @@ from google.protobuf.message import Message
 from pergrad.server.admission import calls
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import share
-from pergrad.server.admission.pools import (
-    CallerPools,
-    Place,
-    Pool,
-    Shares,
-    take_each,
-    wait_for_permit,
-)
+from pergrad.server.admission.pools import Place, Pool, take_each
 from pergrad.server.admission.refused import RefusedBytes
 from pergrad.server.errors import ResourceExhausted
 from pergrad.server.status import sized
@@ -91,15 +83,11 @@ class CallGuard(grpc.ServerInterceptor):
         self._on_refused_unread = on_refused_unread
         self._admission = admission
         self._refused = RefusedBytes()
-        self._calls = Pool(max_calls)
-        self._permits = threading.Semaphore(workers)
-        self._shares = Shares(share(workers))
-        self._streams = Pool(max_streams)
-        self._caller_streams = CallerPools(per_caller_streams)
-        self._caller_calls = CallerPools(per_caller_calls)
+        self._calls = Pool(max_calls, per_caller=per_caller_calls)
+        self._workers = Pool(workers, per_caller=share(workers))
+        self._streams = Pool(max_streams, per_caller=per_caller_streams)
         self._tokens = per_caller_calls is not None
-        self._open = Pool(max_open_calls, evict=True)
-        self._open_shares = Shares(share(max_open_calls))
+        self._open = Pool(max_open_calls, per_caller=share(max_open_calls), evict=True)
         self._open_streams = Pool(max_open_streams)
         self._watches = Pool(max_watch_streams, evict=True)
         self._open_pool = ThreadPoolExecutor(
@@ -135,12 +123,11 @@ class CallGuard(grpc.ServerInterceptor):
         token = None
         if not open_service and self._tokens:
             token = token_key(handler_call_details.invocation_metadata)
-        kinds = [self._watches if watch else self._open if open_service else self._calls]
-        kinds += self._caller_calls.of(token)
+        kind = self._watches if watch else self._open if open_service else self._calls
+        wanted = [(kind, token)]
         if handler.request_streaming:  # a Watch is not: it returned above otherwise
-            kinds.append(self._open_streams if open_service else self._streams)
-            kinds += self._caller_streams.of(token)
-        places = take_each(kinds)
+            wanted.append((self._open_streams if open_service else self._streams, token))
+        places = take_each(wanted)
         if places is None:
             return refusal(declared_kind_of(handler), refusing(open_service))
         guarded = self._guarded(behavior, method, handler, places, watch, open_service, token)
@@ -174,7 +161,7 @@ class CallGuard(grpc.ServerInterceptor):
             for place in places:
                 place.hold_until_done(context)
             if open_service:
-                self._open_share(context)
+                self._open_share(places[0], context)
                 return self._serve(behavior, handler, method, waiting, iterator, context)
             call = calls.started(context, context.peer() if token is None else token)
             self._within_refused_budget(call.caller, method, context)
@@ -222,14 +209,13 @@ class CallGuard(grpc.ServerInterceptor):
         timed = TimedCall(self._timer, context, method, waiting, call)
         if handler.request_streaming:
             if call is not None:
-                wait_for_permit(self._permits, context)
+                self._workers.wait_for(None, context)
             result = behavior(timed.requests(iterator), context)
         else:
             request = timed.one_request(iterator)
             if call is not None:
                 self._hold(request, call, context)
-                self._shares.take(call.caller, context)
-                wait_for_permit(self._permits, context)
+                self._workers.wait_for(call.caller, context)
             result = behavior(request, context)
         if not handler.response_streaming:
             return result
@@ -258,20 +244,17 @@ class CallGuard(grpc.ServerInterceptor):
         if call.request_bytes and call.refused_for_content:
             self._refused.add(call.caller, call.request_bytes)
 
-    def _open_share(self, context: grpc.ServicerContext) -> None:
-        """Hold one of the connection's share of the open services' places until the call
-        ends, or refuse the call at once: one connection's silent calls cannot hold every
-        place (calls to health and reflection need no token, so their caller is their
-        connection, known once the handler runs)."""
-        give_back = self._open_shares.try_take(context.peer())
-        if give_back is None:
+    def _open_share(self, place: Place, context: grpc.ServicerContext) -> None:
+        """Count the call's open place against its connection, or refuse the call at once:
+        one connection's silent calls cannot hold every place (calls to health and
+        reflection need no token, so their caller is their connection, known once the
+        handler runs)."""
+        if not place.claim(context.peer()):
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this connection holds {self._open_shares.limit} calls to health and "
+                f"this connection holds {self._open.per_caller} calls to health and "
                 "reflection already; end one, or open another connection",
             )
-        if not context.add_callback(give_back):
-            give_back()
 
     def _hold(self, request: Any, call: calls.Call, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end

@@ -807,7 +807,7 @@ def test_a_version_too_far_ahead_is_refused_and_updates_go_on(
         for chunk in iter_chunks(index, array)
     ]
     with pytest.raises(grpc.RpcError) as err:
-        fresh_client._stub.SetWeights(iter(messages), timeout=30)
+        fresh_client._methods.stub.SetWeights(iter(messages), timeout=30)
     assert err.value.code() == code
     assert "new_version" in err.value.details()
     assert fresh_client.set_weights("mnist_mlp", weights) == 2
@@ -1039,7 +1039,7 @@ def _header_naming(names: list[str]) -> pb.WeightsHeader:
 
 def _refusal_of(client: GradientClient, header: pb.WeightsHeader) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as err:
-        client._stub.SetWeights(iter([pb.WeightsMessage(header=header)]), timeout=30)
+        client._methods.stub.SetWeights(iter([pb.WeightsMessage(header=header)]), timeout=30)
     return err.value
 
 
@@ -1093,7 +1093,7 @@ def test_an_update_that_cannot_apply_is_refused_before_its_chunks(fresh_client, 
 
     try:
         with pytest.raises(grpc.RpcError) as err:
-            fresh_client._stub.SetWeights(messages(), timeout=30)
+            fresh_client._methods.stub.SetWeights(messages(), timeout=30)
     finally:
         never.set()
     assert err.value.code() == code, err.value.details()
