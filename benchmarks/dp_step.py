@@ -41,7 +41,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import echo_call, serve_echo
+from latency import echo_call
 from transport import spawn
 
 from pergrad.client import GradientClient
@@ -241,13 +241,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.echo_server:
-        serve_echo()
-        return
     one_blas_thread()  # the in-process engine as `pergrad serve` runs it
-    echo, echo_target = spawn(str(Path(__file__).resolve()), "--echo-server")
+    echo, echo_target = spawn(str(Path(__file__).with_name("latency.py")), "--echo-server")
     print(
         f"| model (B={BATCH}) | TF step ms | server step ms | / TF | get/set step ms | / TF "
         "| its clipped_sum ms | its set_weights ms | engine clipped_sum ms | echo ms "

@@ -86,9 +86,10 @@ PHASES = ["encode", "prepare", "compute", "respond", "decode"]
 # -- the echo: the same bytes through bare gRPC -------------------------------------------
 
 
-def serve_echo() -> None:
+def serve_echo(*, as_stream: bool = False) -> None:
     """A unary-stream gRPC method answering `(total, messages)` and any payload with
-    `messages` messages of `total` bytes in all; no protobuf either way."""
+    `messages` messages of `total` bytes in all; no protobuf either way (`as_stream`:
+    served as request-streaming, as pergrad's guard serves a method taking one request)."""
 
     def call(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         total, messages = struct.unpack("<QQ", request[:16])
@@ -97,7 +98,7 @@ def serve_echo() -> None:
         for offset in range(0, total, size):
             yield payload[: min(size, total - offset)]
 
-    serve_bare("bench.Echo", "Call", call)
+    serve_bare("bench.Echo", "Call", call, as_stream=as_stream)
 
 
 def echo_call(channel: grpc.Channel, request_bytes: int, response: list[bytes]) -> Callable:
@@ -310,9 +311,10 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--as-stream", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:
-        serve_echo()
+        serve_echo(as_stream=args.as_stream)
         return
     one_blas_thread()  # the in-process engine as `pergrad serve` runs it
     registry = build_registry(Config(models=tuple(args.models), jit_compile="off"))

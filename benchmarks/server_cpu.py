@@ -3,7 +3,10 @@
 A `pergrad serve` of mnist_mlp (`--jit-compile off`, as shipped) answers small calls (B=8,
 `norms` and seeded `clipped_sum`), from one caller in a loop and then from 16 callers at
 once; a bare grpcio echo server (`latency.py`'s) answers requests of the same bytes with
-responses of the same bytes, the same ways. Every request is serialized once, before the
+responses of the same bytes, the same ways, and a second one serves its method as
+pergrad's guard must (request-streaming: its one request read, then the client's end, so
+that a client that never sends it can be timed; a unary handler's thread waits for its
+request inside grpcio, out of reach). Every request is serialized once, before the
 clock starts, so the client's own work is the same for both servers. For each cell:
 
 - the server process's CPU per call (user + system, from /proc/PID/task/*/stat around the
@@ -203,25 +206,29 @@ def _ms(seconds: float) -> str:
     return f"{1000 * seconds:.3f}"
 
 
-def report(rows: list[tuple[str, int, dict, dict]]) -> str:
+def report(rows: list[tuple[str, int, dict, dict, dict]]) -> str:
     kinds = ("python", "tensorflow", GRPC_CORE)
     lines = [
-        "| mode | callers | pergrad calls/s | echo calls/s | pergrad CPU ms/call | of which "
-        "Python / TF / gRPC core | echo CPU ms/call | pergrad / echo |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| mode | callers | pergrad calls/s | echo calls/s | echo as stream calls/s | pergrad "
+        "CPU ms/call | of which Python / TF / gRPC core | echo CPU ms/call | echo as stream "
+        "CPU ms/call | pergrad / echo | pergrad / echo as stream |",
+        "| --- | ---: |" + " ---: |" * 4 + " --- |" + " ---: |" * 4,
     ]
-    for mode, callers, ours, echo in rows:
-        total, echo_total = sum(ours["cpu"].values()), sum(echo["cpu"].values())
+    for mode, callers, ours, echo, streamed in rows:
+        total = sum(ours["cpu"].values())
+        echo_total, streamed_total = sum(echo["cpu"].values()), sum(streamed["cpu"].values())
         split = " / ".join(_ms(ours["cpu"].get(k, 0.0)) for k in kinds)
         lines.append(
-            f"| {mode} | {callers} | {ours['rate']:.0f} | {echo['rate']:.0f} | {_ms(total)} | "
-            f"{split} | {_ms(echo_total)} | {total / echo_total:.1f}x |"
+            f"| {mode} | {callers} | {ours['rate']:.0f} | {echo['rate']:.0f} | "
+            f"{streamed['rate']:.0f} | {_ms(total)} | {split} | {_ms(echo_total)} | "
+            f"{_ms(streamed_total)} | {total / echo_total:.1f}x | "
+            f"{total / streamed_total:.1f}x |"
         )
     phases = [p for p, _ in PHASES] + [OTHER]
     lines += ["", "Python threads' CPU per call by phase, ms (py-spy samples' shares):", ""]
     lines += ["| mode | callers | " + " | ".join(phases) + " |"]
     lines += ["| --- | ---: |" + " ---: |" * len(phases)]
-    for mode, callers, ours, _ in rows:
+    for mode, callers, ours, *_ in rows:
         samples, python = ours["samples"], ours["cpu"].get("python", 0.0)
         total = sum(samples.values()) or 1
         cells = " | ".join(_ms(python * samples[p] / total) for p in phases)
@@ -239,9 +246,11 @@ def main() -> None:
     args = parser.parse_args()
     latency = str(Path(__file__).resolve().with_name("latency.py"))
     echo_server, echo_target = spawn(latency, "--echo-server")
+    stream_server, stream_target = spawn(latency, "--echo-server", "--as-stream")
     rows = []
     try:
         echo_channel = grpc.insecure_channel(echo_target)
+        stream_channel = grpc.insecure_channel(stream_target)
         with (
             LocalServer("--model", MODEL, "--jit-compile", "off") as server,
             GradientClient(server.target, timeout=300) as client,
@@ -251,13 +260,16 @@ def main() -> None:
                 request = _request(client, MODES[mode])
                 call = raw_call(channel, request)
                 echo = echo_call(echo_channel, len(request), call())
+                as_stream = echo_call(stream_channel, len(request), call())
                 for callers in args.callers:
                     ours = measure(server.process.pid, call, args.calls, callers, profile=True)
                     theirs = measure(echo_server.pid, echo, args.calls, callers, profile=False)
-                    rows.append((mode, callers, ours, theirs))
+                    streamed = measure(stream_server.pid, as_stream, args.calls, callers, False)
+                    rows.append((mode, callers, ours, theirs, streamed))
                     print(f"{mode} x{callers}: {ours['rate']:.0f} calls/s", file=sys.stderr)
     finally:
         echo_server.kill()
+        stream_server.kill()
     print(report(rows))
 
 

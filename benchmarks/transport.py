@@ -83,12 +83,22 @@ def serve_raw() -> None:
     serve_bare("bench.Raw", "Stream", stream)
 
 
-def serve_bare(service: str, method: str, stream: Callable) -> None:
+def serve_bare(service: str, method: str, stream: Callable, *, as_stream: bool = False) -> None:
     """A bare gRPC server (no protobuf, no interceptors) with one unary-stream method; it
-    prints its ready line (`spawn` reads it) and serves until killed."""
-    handler = grpc.method_handlers_generic_handler(
-        service, {method: grpc.unary_stream_rpc_method_handler(stream)}
-    )
+    prints its ready line (`spawn` reads it) and serves until killed. `as_stream` serves
+    the method as pergrad's guard serves one taking one request, to time the wait for it:
+    request-streaming, its one request read and then the client's end."""
+    method_handler = grpc.unary_stream_rpc_method_handler(stream)
+    if as_stream:
+
+        def one_request(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator:
+            request = next(requests)
+            if next(requests, None) is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one request")
+            return stream(request, context)
+
+        method_handler = grpc.stream_stream_rpc_method_handler(one_request)
+    handler = grpc.method_handlers_generic_handler(service, {method: method_handler})
     server = grpc.server(
         futures.ThreadPoolExecutor(4),
         handlers=[handler],
