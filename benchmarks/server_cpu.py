@@ -1,13 +1,14 @@
 """`make bench` (server_cpu): what a small call costs the server's CPU, by phase (issue 44).
 
-A `pergrad serve` of mnist_mlp (`--jit-compile off`, as shipped) answers small calls (B=8,
-`norms` and seeded `clipped_sum`), from one caller in a loop and then from 16 callers at
-once; a bare grpcio echo server (`latency.py`'s) answers requests of the same bytes with
-responses of the same bytes, the same ways, and a second one serves its method as
-pergrad's guard must (request-streaming: its one request read, then the client's end, so
-that a client that never sends it can be timed; a unary handler's thread waits for its
-request inside grpcio, out of reach). Every request is serialized once, before the
-clock starts, so the client's own work is the same for both servers. For each cell:
+A `pergrad serve` of mnist_mlp (`--jit-compile off`, as shipped) answers small calls
+(ListModels, the entrance alone; B=8 `norms` and seeded `clipped_sum`), from one caller
+in a loop and then from 16 callers at once; a bare grpcio echo server (`latency.py`'s)
+answers requests of the same bytes with responses of the same bytes, the same ways, and a
+second one serves its method as pergrad's guard must (request-streaming: its one request
+read, then the client's end, so that a client that never sends it can be timed; a unary
+handler's thread waits for its request inside grpcio, out of reach). Every request is
+serialized once, before the clock starts, so the client's own work is the same for every
+server. For each cell:
 
 - the server process's CPU per call (user + system, from /proc/PID/task/*/stat around the
   calls), split by thread: Python's (the handlers, the guard, parsing, numpy), TensorFlow's
@@ -18,7 +19,7 @@ clock starts, so the client's own work is the same for both servers. For each ce
   driving gRPC's C core (receiving and sending), gRPC (Python) its Python server around a
   handler, thread handoffs the pools' workers waking and sleeping.
 
-    python benchmarks/server_cpu.py [--calls 1500] [--callers 1 16] [--modes norms clipped_sum]
+    python benchmarks/server_cpu.py [--calls 1500] [--callers 1 16] [--modes ...]
 """
 
 from __future__ import annotations
@@ -47,12 +48,16 @@ from transport import spawn
 
 from pergrad.client import GradientClient
 from pergrad.client.local import LocalServer
+from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.chunks import identity
 from pergrad.wire.rpc import method_path
 
 MODEL = "mnist_mlp"
 BATCH = 8
-MODES = {
+# The modes' gradients calls' options; `list_models` (the service's cheapest call: the
+# entrance alone, its guard, interceptors, stall timer and places) has none.
+MODES: dict[str, dict | None] = {
+    "list_models": None,
     "norms": {"reduction": "norms"},
     "clipped_sum": {
         "reduction": "clipped_sum",
@@ -185,7 +190,13 @@ def measure(pid: int, call: Callable[[], object], count: int, callers: int, prof
     return {"rate": count / wall, "cpu": per_call, "samples": samples}
 
 
-def raw_call(channel: grpc.Channel, request: bytes) -> Callable[[], list[bytes]]:
+def raw_call(channel: grpc.Channel, request: bytes, mode: str) -> Callable[[], list[bytes]]:
+    """One call of the mode with the serialized request, its responses as bytes."""
+    if MODES[mode] is None:
+        listing = channel.unary_unary(
+            method_path("ListModels"), request_serializer=identity, response_deserializer=identity
+        )
+        return lambda: [listing(request, timeout=300)]
     call = channel.unary_stream(
         method_path("ComputePerExampleGradients"),
         request_serializer=identity,
@@ -194,7 +205,9 @@ def raw_call(channel: grpc.Channel, request: bytes) -> Callable[[], list[bytes]]
     return lambda: list(call(request, timeout=300))
 
 
-def _request(client: GradientClient, options: dict) -> bytes:
+def _request(client: GradientClient, options: dict | None) -> bytes:
+    if options is None:
+        return pb.ListModelsRequest().SerializeToString()
     info = client.model_info(MODEL)
     rng = np.random.default_rng(0)
     x = rng.random((BATCH, *info.input.shape[1:])).astype(np.float32)
@@ -258,7 +271,7 @@ def main() -> None:
             channel = grpc.insecure_channel(server.target)
             for mode in args.modes:
                 request = _request(client, MODES[mode])
-                call = raw_call(channel, request)
+                call = raw_call(channel, request, mode)
                 echo = echo_call(echo_channel, len(request), call())
                 as_stream = echo_call(stream_channel, len(request), call())
                 for callers in args.callers:
