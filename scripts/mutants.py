@@ -183,6 +183,22 @@ MUTANTS = (
         ("tests/server/test_faults.py",),
     ),
     Mutant(
+        "call_record_not_handed_to_the_servicer",
+        "the servicer gets gRPC's bare context, not the call's record on it: refusals for "
+        "content are never counted against their caller's budget",
+        (
+            Edit(
+                "server/transport/guard.py",
+                "served = context if call is None else calls.Context(context, call)",
+                "served = context",
+            ),
+        ),
+        (
+            "tests/server/test_hostile_clients.py::"
+            "test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread",
+        ),
+    ),
+    Mutant(
         "unread_results_untimed",
         "a one-request method's responses are sent with no stall timer",
         (

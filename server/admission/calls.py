@@ -1,13 +1,14 @@
 """One record per call, made as the guard starts serving it: whom it is counted for (one
 key, worked out once), its request's bytes as they were read, and whether it was refused
-for what its request held. The guard makes and updates it; the servicer reads the caller
-and the bytes from it, and `status` marks a refusal for content on it, which the guard
-then counts against the caller's refused-bytes budget (`refused`)."""
+for what its request held. The guard hands the servicer the call's context with its
+record on it (`Context`); the servicer reads the caller and the bytes from it, and
+`status` marks a refusal for content on it, which the guard then counts against the
+caller's refused-bytes budget (`refused`)."""
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -19,18 +20,21 @@ class Call:
     refused_for_content: bool = False  # malformed, naming what is not served, too large
 
 
-_RECORDS: weakref.WeakKeyDictionary[grpc.ServicerContext, Call] = weakref.WeakKeyDictionary()
 # A call no guard admitted (a servicer driven in-process by a test): no caller known.
 _UNKNOWN = ""
 
 
-def started(context: grpc.ServicerContext, caller: str) -> Call:
-    """The record of a call the guard starts serving, kept for as long as its context."""
-    call = _RECORDS[context] = Call(caller)
-    return call
+class Context:
+    """gRPC's context of a call, carrying the call's record (`record`): everything else
+    is gRPC's own."""
+
+    def __init__(self, context: grpc.ServicerContext, record: Call) -> None:
+        self._context, self.record = context, record
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
-def of(context: grpc.ServicerContext) -> Call:
+def of(context: grpc.ServicerContext | Context) -> Call:
     """The call's record (a blank one for a call no guard started)."""
-    call = _RECORDS.get(context)
-    return call if call is not None else Call(_UNKNOWN)
+    return context.record if isinstance(context, Context) else Call(_UNKNOWN)

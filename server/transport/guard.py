@@ -163,7 +163,7 @@ class CallGuard(grpc.ServerInterceptor):
             if open_service:
                 self._open_share(places[0], context)
                 return self._serve(behavior, handler, method, waiting, iterator, context)
-            call = calls.started(context, context.peer() if token is None else token)
+            call = calls.Call(context.peer() if token is None else token)
             self._within_refused_budget(call.caller, method, context)
             try:
                 return self._serve(behavior, handler, method, waiting, iterator, context, call)
@@ -205,18 +205,20 @@ class CallGuard(grpc.ServerInterceptor):
         call: calls.Call | None = None,
     ) -> Any:
         """The call served under the stall timer, its record (`call`: calls to the
-        service) kept current, its request priced and a worker's permit taken."""
+        service) kept current and handed to the servicer on its context, its request
+        priced and a worker's permit taken."""
         timed = TimedCall(self._timer, context, method, waiting, call)
+        served = context if call is None else calls.Context(context, call)
         if handler.request_streaming:
             if call is not None:
                 self._workers.wait_for(None, context)
-            result = behavior(timed.requests(iterator), context)
+            result = behavior(timed.requests(iterator), served)
         else:
             request = timed.one_request(iterator)
             if call is not None:
                 self._hold(request, call, context)
                 self._workers.wait_for(call.caller, context)
-            result = behavior(request, context)
+            result = behavior(request, served)
         if not handler.response_streaming:
             return result
         on_error = functools.partial(self._count, call) if call is not None else _nothing
