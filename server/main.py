@@ -198,7 +198,7 @@ def _start_grpc(
     the service's port, health and reflection's port), started."""
     server = grpc.server(
         # A thread per call admitted: waiting for a request takes one; computing takes
-        # one of the guard's --workers permits besides (`CallGuard`).
+        # one of the guard's --workers places besides (`CallGuard`).
         futures.ThreadPoolExecutor(max_workers=limits.count("calls")),
         # Metrics outermost (they see every final status), then tokens, then the guard.
         interceptors=[MetricsInterceptor(servicer.metrics), *_auth_interceptors(config), guard],

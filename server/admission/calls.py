@@ -32,6 +32,8 @@ class Context:
         self._context, self.record = context, record
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_context":  # not yet set (a copy being made): not gRPC's to answer
+            raise AttributeError(name)
         return getattr(self._context, name)
 
 

@@ -124,8 +124,12 @@ class Pool:
         with self._lock:
             if place not in self._held:
                 return True  # evicted: its call is cancelled, and counts for no one
+            if place.caller == caller:
+                return True
             if not self._caller_fits(caller):
                 return False
+            if place.caller is not None:
+                self._by_caller.remove(place.caller)
             place.caller = caller
             self._by_caller.add(caller)
             return True

@@ -3,8 +3,8 @@
 A sync gRPC server runs each call in a thread; a call that waits on its client (a
 request that never comes, a stream that sends no next request, a client that reads no
 response) holds its thread for as long as the client likes. So every call admitted gets
-a thread of its own at once, and computing takes one of `workers` permits besides, only
-once its request has arrived (a stream, as it starts): callers that send nothing hold
+a thread of its own at once, and computing takes one of the `workers` places besides,
+only once its request has arrived (a stream, as it starts): callers that send nothing hold
 threads and places, never the workers. A caller (its token, or its connection without
 tokens) computes one-request calls on half of the workers at most, so that its many
 calls leave workers to the others. This interceptor:
@@ -206,7 +206,7 @@ class CallGuard(grpc.ServerInterceptor):
     ) -> Any:
         """The call served under the stall timer, its record (`call`: calls to the
         service) kept current and handed to the servicer on its context, its request
-        priced and a worker's permit taken."""
+        priced and a worker's place taken."""
         timed = TimedCall(self._timer, context, method, waiting, call)
         served = context if call is None else calls.Context(context, call)
         if handler.request_streaming:

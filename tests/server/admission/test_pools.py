@@ -113,6 +113,15 @@ def test_a_claim_past_the_callers_share_is_refused_and_given_back_with_the_place
     assert second.claim("peer")
 
 
+def test_a_place_claimed_again_counts_once_for_its_latest_caller() -> None:
+    pool = Pool(4, per_caller=1)
+    place = pool.take("a")
+    assert place.claim("a")  # its own caller: counted once
+    assert place.claim("b")  # moved: "a" holds none now
+    assert pool.take("a") is not None
+    assert pool.take("b") is None
+
+
 def test_calls_past_a_callers_share_wait_and_each_call_that_ends_lets_one_in() -> None:
     pool = Pool(8, per_caller=2)
     holding = [_Call(), _Call()]
