@@ -10,6 +10,9 @@ handler's thread waits for its request inside grpcio, out of reach). Every reque
 serialized once, before the clock starts, so the client's own work is the same for every
 server. For each cell:
 
+- the in-process engine's CPU per call for the same batch and options (a child process,
+  the engine as `pergrad serve` builds it), and what the server spends beyond it and the
+  echo served as a stream: its path's own cost;
 - the server process's CPU per call (user + system, from /proc/PID/task/*/stat around the
   calls), split by thread: Python's (the handlers, the guard, parsing, numpy), TensorFlow's
   own pools (`tf_*`: the pass's kernels) and gRPC's core (`event_engine`, its pollers);
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -43,6 +47,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import run_child
 from latency import echo_call
 from transport import spawn
 
@@ -205,29 +210,52 @@ def raw_call(channel: grpc.Channel, request: bytes, mode: str) -> Callable[[], l
     return lambda: list(call(request, timeout=300))
 
 
+def _batch() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.random((BATCH, 784)).astype(np.float32)  # mnist_mlp's input
+    return x, rng.integers(0, 10, BATCH).astype(np.int32)
+
+
 def _request(client: GradientClient, options: dict | None) -> bytes:
     if options is None:
         return pb.ListModelsRequest().SerializeToString()
-    info = client.model_info(MODEL)
-    rng = np.random.default_rng(0)
-    x = rng.random((BATCH, *info.input.shape[1:])).astype(np.float32)
-    y = rng.integers(0, 10, BATCH).astype(np.int32)
-    return client._call(MODEL, **options).request(info, x, y).SerializeToString()
+    request = client._call(MODEL, **options).request(client.model_info(MODEL), *_batch())
+    return request.SerializeToString()
+
+
+def engine_child(mode: str, count: int) -> None:
+    """The in-process engine's CPU a call for the mode's request (as `pergrad serve` builds
+    it: XLA off, numpy's BLAS on one thread): one JSON line."""
+    from pergrad.server.engine import Engine
+    from pergrad.server.engine.cores import one_blas_thread
+    from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+
+    one_blas_thread()
+    engine = Engine(BUILTIN_MODELS[MODEL](), loss=LOSS, jit_compile=False)
+    x, y = _batch()
+    options = MODES[mode] or {}
+    for _ in range(50):
+        engine.per_example_gradients(x, y, **options)
+    began = time.process_time()
+    for _ in range(count):
+        engine.per_example_gradients(x, y, **options)
+    print(json.dumps({"cpu": (time.process_time() - began) / count}))
 
 
 def _ms(seconds: float) -> str:
     return f"{1000 * seconds:.3f}"
 
 
-def report(rows: list[tuple[str, int, dict, dict, dict]]) -> str:
+def report(rows: list[tuple[str, int, float, dict, dict, dict]]) -> str:
     kinds = ("python", "tensorflow", GRPC_CORE)
     lines = [
         "| mode | callers | pergrad calls/s | echo calls/s | echo as stream calls/s | pergrad "
         "CPU ms/call | of which Python / TF / gRPC core | echo CPU ms/call | echo as stream "
-        "CPU ms/call | pergrad / echo | pergrad / echo as stream |",
-        "| --- | ---: |" + " ---: |" * 4 + " --- |" + " ---: |" * 4,
+        "CPU ms/call | pergrad / echo | pergrad / echo as stream | engine in-process CPU "
+        "ms/call | pergrad - engine - echo as stream |",
+        "| --- | ---: |" + " ---: |" * 4 + " --- |" + " ---: |" * 6,
     ]
-    for mode, callers, ours, echo, streamed in rows:
+    for mode, callers, engine, ours, echo, streamed in rows:
         total = sum(ours["cpu"].values())
         echo_total, streamed_total = sum(echo["cpu"].values()), sum(streamed["cpu"].values())
         split = " / ".join(_ms(ours["cpu"].get(k, 0.0)) for k in kinds)
@@ -235,13 +263,14 @@ def report(rows: list[tuple[str, int, dict, dict, dict]]) -> str:
             f"| {mode} | {callers} | {ours['rate']:.0f} | {echo['rate']:.0f} | "
             f"{streamed['rate']:.0f} | {_ms(total)} | {split} | {_ms(echo_total)} | "
             f"{_ms(streamed_total)} | {total / echo_total:.1f}x | "
-            f"{total / streamed_total:.1f}x |"
+            f"{total / streamed_total:.1f}x | {_ms(engine)} | "
+            f"{_ms(total - engine - streamed_total)} |"
         )
     phases = [p for p, _ in PHASES] + [OTHER]
     lines += ["", "Python threads' CPU per call by phase, ms (py-spy samples' shares):", ""]
     lines += ["| mode | callers | " + " | ".join(phases) + " |"]
     lines += ["| --- | ---: |" + " ---: |" * len(phases)]
-    for mode, callers, ours, *_ in rows:
+    for mode, callers, _, ours, *_ in rows:
         samples, python = ours["samples"], ours["cpu"].get("python", 0.0)
         total = sum(samples.values()) or 1
         cells = " | ".join(_ms(python * samples[p] / total) for p in phases)
@@ -256,7 +285,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1500)
     parser.add_argument("--callers", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--engine-child", choices=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine_child:
+        engine_child(args.engine_child, args.calls)
+        return
+    engine = {
+        mode: run_child(Path(__file__), ["--engine-child", mode, "--calls", str(args.calls)])["cpu"]
+        if MODES[mode] is not None
+        else 0.0
+        for mode in args.modes
+    }
     latency = str(Path(__file__).resolve().with_name("latency.py"))
     echo_server, echo_target = spawn(latency, "--echo-server")
     stream_server, stream_target = spawn(latency, "--echo-server", "--as-stream")
@@ -278,7 +317,7 @@ def main() -> None:
                     ours = measure(server.process.pid, call, args.calls, callers, profile=True)
                     theirs = measure(echo_server.pid, echo, args.calls, callers, profile=False)
                     streamed = measure(stream_server.pid, as_stream, args.calls, callers, False)
-                    rows.append((mode, callers, ours, theirs, streamed))
+                    rows.append((mode, callers, engine[mode], ours, theirs, streamed))
                     print(f"{mode} x{callers}: {ours['rate']:.0f} calls/s", file=sys.stderr)
     finally:
         echo_server.kill()
