@@ -10,8 +10,8 @@ sized to what it holds (`group.same_bits_sizes`). Every request of fewer than `g
 examples takes this path, alone or not, so its result is the same to the bit whatever
 shares its pass.
 
-A pass runs on the thread of one of its requests (its leader), which holds a worker's
-permit like any call that computes, and passes are shared fairly between callers (a
+A pass runs on the thread of one of its requests (its leader), which holds a worker's place
+like any call that computes, and passes are shared fairly between callers (a
 token, or a connection on a server without tokens): a caller has at most one shared pass
 running at a time, and its other requests wait for it to end; a model runs at most
 `LANES` shared passes at once; a pass takes the waiting requests of callers with none
