@@ -79,7 +79,7 @@ class Reduced:
     ) -> None:
         self.size, self._selected, self._reduction, self._model = size, selected, reduction, model
         self._losses = np.empty(size, loss_dtype)
-        self._in_pass = reduction if isinstance(reduction, reductions.InPassReduction) else None
+        self._in_pass = reductions.in_pass(reduction)
 
     def add(self, start: int, losses: np.ndarray, grads: Sequence[Grad]) -> None:
         self._losses[start : start + len(losses)] = losses

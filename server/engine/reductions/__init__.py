@@ -21,7 +21,7 @@ import functools
 import importlib
 import pkgutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -35,7 +35,6 @@ class Reduction(Protocol):
     def finish(self) -> dict[str, Any]: ...
 
 
-@runtime_checkable
 class InPassReduction(Reduction, Protocol):
     """A reduction the pass computes itself from the factors (`in_pass`): its squared
     norms, and its clipped sums under `max_norm` where IN_PASS_CLIP."""
@@ -46,6 +45,13 @@ class InPassReduction(Reduction, Protocol):
     def add_in_pass(
         self, squares: Mapping[str, np.ndarray], sums: Mapping[str, np.ndarray]
     ) -> None: ...
+
+
+def in_pass(reduction: Reduction) -> InPassReduction | None:
+    """The reduction, if the pass can compute it itself (its class defines
+    `add_in_pass`). Not `isinstance` on a runtime-checkable Protocol, which walks the
+    Protocol's members on every call: 0.06 ms of a 0.8 ms B=8 norms call."""
+    return cast(InPassReduction, reduction) if hasattr(type(reduction), "add_in_pass") else None
 
 
 def summed(arrays: Iterable[np.ndarray]) -> np.ndarray:

@@ -425,3 +425,16 @@ def test_in_process_dot_references_are_checked_as_the_wire_checks_them(
         engine.per_example_gradients(
             x, y, reduction="dot", variables=["head/bias"], reference={"head/bias": reference}
         )
+
+
+@pytest.mark.parametrize(
+    ("reduction", "options", "inside"),
+    [("norms", {}, True), ("clipped_sum", {"max_norm": 1.0}, True), ("moments", {}, False)],
+)
+def test_norms_and_clipped_sums_are_computed_inside_the_pass(
+    reduction: str, options: dict, inside: bool
+) -> None:
+    """Their per-example gradients are never formed (docs/architecture.md, the engine
+    step of a request's path); other reductions are fed the gradients."""
+    sink = Engine(tabular_model(), jit_compile=False).passes.sink(4, reduction=reduction, **options)
+    assert (sink.in_pass is not None) == inside
