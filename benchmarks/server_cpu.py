@@ -210,16 +210,18 @@ def raw_call(channel: grpc.Channel, request: bytes, mode: str) -> Callable[[], l
     return lambda: list(call(request, timeout=300))
 
 
-def _batch() -> tuple[np.ndarray, np.ndarray]:
+def _batch(example_shape: tuple[int, ...], classes: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    x = rng.random((BATCH, 784)).astype(np.float32)  # mnist_mlp's input
-    return x, rng.integers(0, 10, BATCH).astype(np.int32)
+    x = rng.random((BATCH, *example_shape)).astype(np.float32)
+    return x, rng.integers(0, classes, BATCH).astype(np.int32)
 
 
 def _request(client: GradientClient, options: dict | None) -> bytes:
     if options is None:
         return pb.ListModelsRequest().SerializeToString()
-    request = client._call(MODEL, **options).request(client.model_info(MODEL), *_batch())
+    info = client.model_info(MODEL)
+    batch = _batch(tuple(info.input.shape[1:]), info.num_classes)
+    request = client._call(MODEL, **options).request(info, *batch)
     return request.SerializeToString()
 
 
@@ -231,8 +233,9 @@ def engine_child(mode: str, count: int) -> None:
     from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 
     one_blas_thread()
-    engine = Engine(BUILTIN_MODELS[MODEL](), loss=LOSS, jit_compile=False)
-    x, y = _batch()
+    model = BUILTIN_MODELS[MODEL]()
+    engine = Engine(model, loss=LOSS, jit_compile=False)
+    x, y = _batch(tuple(model.input_shape[1:]), model.output_shape[-1])
     options = MODES[mode] or {}
     for _ in range(50):
         engine.per_example_gradients(x, y, **options)

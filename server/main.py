@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.admission.limits import Capacities, resolve, share
+from pergrad.server.admission.limits import Capacities, resolve
 from pergrad.server.admission.unparsed import Unparsed, request_bytes_limit
 from pergrad.server.config import JIT_CHOICES, Config
 from pergrad.server.devices import with_coalescing_resolved
@@ -170,7 +170,6 @@ def _call_guard(
 ) -> CallGuard:
     """The guard admitting every call against the limits (per token where the server has
     tokens)."""
-    tokens = config.auth_token_file is not None
     return CallGuard(
         stall_timeout_s=limits["stall_s"],
         workers=limits.count("workers"),
@@ -179,8 +178,7 @@ def _call_guard(
         max_open_calls=limits.count("open_calls"),
         max_open_streams=limits.count("open_streams"),
         max_watch_streams=limits.count("watch_streams"),
-        per_caller_streams=share(limits.count("streams")) if tokens else None,
-        per_caller_calls=share(limits.count("calls")) if tokens else None,
+        tokens=config.auth_token_file is not None,
         admission=admission,
         on_stall=metrics.call_stalled,
         on_refused_unread=metrics.call_refused_unread,

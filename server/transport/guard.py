@@ -73,8 +73,7 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_calls: int,
         max_open_streams: int,
         max_watch_streams: int,
-        per_caller_streams: int | None = None,
-        per_caller_calls: int | None = None,
+        tokens: bool = False,
         admission: Admission | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
         on_refused_unread: Callable[[str], None] = lambda method: None,
@@ -83,10 +82,12 @@ class CallGuard(grpc.ServerInterceptor):
         self._on_refused_unread = on_refused_unread
         self._admission = admission
         self._refused = RefusedBytes()
-        self._calls = Pool(max_calls, per_caller=per_caller_calls)
+        # A caller may hold half of each pool: of the calls and streams to the service
+        # per token (without tokens a caller is known only once its handler runs).
+        self._tokens = tokens
+        self._calls = Pool(max_calls, per_caller=share(max_calls) if tokens else None)
         self._workers = Pool(workers, per_caller=share(workers))
-        self._streams = Pool(max_streams, per_caller=per_caller_streams)
-        self._tokens = per_caller_calls is not None
+        self._streams = Pool(max_streams, per_caller=share(max_streams) if tokens else None)
         self._open = Pool(max_open_calls, per_caller=share(max_open_calls), evict=True)
         self._open_streams = Pool(max_open_streams)
         self._watches = Pool(max_watch_streams, evict=True)
