@@ -59,6 +59,7 @@ from pergrad.server.config import AUTO_COALESCED_BATCH
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
+from pergrad.wire.request_parts import MESSAGE_BYTES
 
 WRITER, CARELESS_WRITER, READER = "secret", "careless", "reader"
 SERVICE = "/pergrad.v1.GradientService/"
@@ -245,10 +246,12 @@ def _once_admitted(ask: Callable[[GradientClient], Any], target: str) -> Any:
 
 
 def _at_the_limit(target: str, labels_short: bool) -> bytes:
-    """A norms request of mnist_mlp as large as the server takes (its ModelInfo.limits),
-    a label short (refused once read) or whole."""
+    """A norms request of mnist_mlp in one message as large as the server takes (its
+    ModelInfo.limits, within the bound on a message), a label short (refused once read)
+    or whole."""
     info = _once_admitted(lambda c: c.model_info("mnist_mlp"), target)
-    x, y = _batch((info.limits.max_request_bytes - 4096) // (784 * 4 + 8))
+    largest = min(info.limits.max_request_bytes, MESSAGE_BYTES)
+    x, y = _batch((largest - 4096) // (784 * 4 + 8))
     return _gradients("mnist_mlp", x, y[:-1] if labels_short else y, reduction=pb.REDUCTION_NORMS)
 
 

@@ -20,17 +20,23 @@ import grpc.experimental
 from pergrad.client._credentials import Security
 from pergrad.client._types import PergradError
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
-from pergrad.wire.rpc import SERVICE_NAME
+from pergrad.wire.rpc import SERVICE, SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 << 20
 
 # Retries happen only before a response arrives; a replica that dies mid-stream is
-# retried by the client itself (requests are idempotent).
+# retried by the client itself (requests are idempotent). Only methods sent as one message
+# are retried by gRPC: a request-streaming call under a retry policy could outlive its
+# deadline, never ending, once its server stopped (grpcio 1.85; grpc/grpc#41036).
 SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [
         {
-            "name": [{"service": SERVICE_NAME}],
+            "name": [
+                {"service": SERVICE_NAME, "method": method.name}
+                for method in SERVICE.methods
+                if not method.client_streaming
+            ],
             "retryPolicy": {
                 "maxAttempts": 4,
                 "initialBackoff": "0.1s",

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from pergrad.wire.request_parts import MESSAGE_BYTES
+
 JIT_CHOICES: dict[str, bool | Literal["auto"]] = {"auto": "auto", "on": True, "off": False}
 # /metrics listens on the gRPC port + METRICS_PORT_OFFSET unless told otherwise: away from
 # Prometheus' own 9090 and from the exporter range 9100-9999 (all allocated; the Prometheus
@@ -21,10 +23,11 @@ METRICS_PORT_OFFSET = 100
 # (kernel launches) worth sharing; on a CPU a shared pass costs more than a request's own
 # (`coalescing_bound`).
 AUTO_COALESCED_BATCH = 128
-# --max-request-bytes auto: gRPC's own default message limit, plus what a served model's
-# request holds that no client can split (`request_bytes_bound`).
-AUTO_REQUEST_BYTES = 4 << 20
-# gRPC takes a message limit as a C int.
+# --max-request-bytes auto: one message's worth (the fixed bound on a message, gRPC's own
+# default), plus what a served model's request holds that no client can split
+# (`request_bytes_bound`).
+AUTO_REQUEST_BYTES = MESSAGE_BYTES
+# ServerLimits.max_request_bytes promises at most this (once gRPC's bound on a message).
 MAX_REQUEST_BYTES = 2**31 - 1
 
 
@@ -125,15 +128,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "max_request_bytes",
         _auto_int,
-        "bytes of one request message; gRPC refuses a larger one before Python copies "
-        f"it (auto, the default: {AUTO_REQUEST_BYTES >> 20} MiB plus the most a served "
-        "model's request holds that cannot be split: its variables in float32 and one "
-        "example; the client splits batches to fit)",
+        "bytes of one request: its message and the bytes it declares in chunks; a larger "
+        "one is refused from its first message, before any chunk is read (auto, the "
+        f"default: {AUTO_REQUEST_BYTES >> 20} MiB plus the most a served model's request "
+        "holds that cannot be split: its variables in float32 and one example; the client "
+        "splits batches to fit). Whatever it is, no message may exceed "
+        f"{MESSAGE_BYTES >> 20} MiB: gRPC refuses a larger one before Python copies it",
         (
             _POSITIVE,
             (
                 lambda v: v <= MAX_REQUEST_BYTES,
-                f"must be at most {MAX_REQUEST_BYTES} (gRPC's bound)",
+                f"must be at most {MAX_REQUEST_BYTES}",
             ),
         ),
     ),

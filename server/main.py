@@ -92,7 +92,7 @@ def server_options(config: Config, limits: Capacities) -> list[tuple[str, int]]:
     clients re-resolve and spread over replicas added since."""
     age_ms = int(1000 * config.max_connection_age_s)
     return [
-        ("grpc.max_receive_message_length", limits.count("request_bytes")),
+        ("grpc.max_receive_message_length", limits.count("message_bytes")),
         ("grpc.max_send_message_length", -1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 0),
@@ -179,6 +179,7 @@ def _call_guard(
         max_open_streams=limits.count("open_streams"),
         max_watch_streams=limits.count("watch_streams"),
         tokens=config.auth_token_file is not None,
+        max_request_bytes=limits.count("request_bytes"),
         admission=admission,
         on_stall=metrics.call_stalled,
         on_refused_unread=metrics.call_refused_unread,

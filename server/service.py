@@ -29,6 +29,7 @@ from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.training import KERAS_VERSION
 from pergrad.server.transport.handlers import kind
+from pergrad.server.transport.parts import whole_request
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -42,7 +43,7 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
-from pergrad.wire.rpc import SERVICE
+from pergrad.wire.rpc import ONE_REQUEST_IN_PARTS, SERVICE
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -195,6 +196,12 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     ) -> Iterator[pb.GradientsResponse | bytes]:
         for request in request_iterator:
             try:
+                request = whole_request(
+                    request,
+                    request_iterator,
+                    call=calls.of(context),
+                    max_request_bytes=self._max_request_bytes,
+                )
                 messages = self._gradients(request, context)
                 yield from tracked(self.metrics, request, messages, context)
             except PergradServerError as err:
@@ -263,7 +270,7 @@ def add_to_server(
     requests reach the handler (`RefusedRequest`), as do requests refused from their
     bytes before they are parsed (`refusals`, by method: `admission.unparsed`)."""
     handlers = {
-        method.name: kind(method.client_streaming, method.server_streaming).factory(
+        method.name: kind(_streams_requests(method), method.server_streaming).factory(
             getattr(servicer, method.name),
             request_deserializer=parser(
                 getattr(pb, method.input_type.name), refusals.get(method.name)
@@ -276,3 +283,10 @@ def add_to_server(
         (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
     )
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
+
+
+def _streams_requests(method: Any) -> bool:
+    """Whether the method's handler takes a stream of requests: a method whose one request
+    may come in parts is registered as taking one, which the guard reads whole
+    (`transport.parts`) and serves request-streaming, as it serves every such method."""
+    return method.client_streaming and method.name not in ONE_REQUEST_IN_PARTS

@@ -19,6 +19,7 @@ from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S
 from pergrad.server.config import AUTO_REQUEST_BYTES, add_arguments
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.request_parts import MESSAGE_BYTES
 from tests.conftest import ROOT
 from tests.helpers import LOOP_ERROR_FACTOR, RELATIVE_TOLERANCE
 
@@ -181,6 +182,7 @@ def test_the_operators_manual_states_the_refused_bytes_budget_the_guard_holds() 
     assert f"{REFUSED_BYTES >> 20} MiB of them in any {REFUSED_WINDOW_S:g} s" in text
 
 
-def test_the_operators_manual_states_the_auto_message_limit() -> None:
+def test_the_operators_manual_states_the_auto_request_bound_and_the_message_bound() -> None:
     text = " ".join(OPERATIONS.split())
-    assert f"auto, the default, is gRPC's own {AUTO_REQUEST_BYTES >> 20} MiB" in text
+    assert f"auto, the default, is {AUTO_REQUEST_BYTES >> 20} MiB plus" in text
+    assert f"one message is {MESSAGE_BYTES >> 20} MiB at most" in text

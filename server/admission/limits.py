@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pergrad.wire.request_parts import MESSAGE_BYTES
+
 if TYPE_CHECKING:
     from pergrad.server.config import Config
 
@@ -113,9 +115,19 @@ LIMITS: tuple[Limit, ...] = (
     ),
     Limit(
         "request_bytes",
-        "bytes of one request message",
+        "bytes of one request: its message and its chunked tensors' declared bytes",
         lambda c: c.max_request_bytes or 0,
         "--max-request-bytes (auto: 4 MiB + what a served model's request cannot split)",
+        "none",
+        "one request",
+        "refuse: from its first message, before any chunk is read",
+        _EXHAUSTED,
+    ),
+    Limit(
+        "message_bytes",
+        "bytes of one message a client sends",
+        lambda c: min(MESSAGE_BYTES, c.max_request_bytes or MESSAGE_BYTES),
+        "fixed: 4 MiB (less where --max-request-bytes is)",
         "none",
         "one message",
         "refuse, by gRPC before Python copies it",

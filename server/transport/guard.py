@@ -46,8 +46,8 @@ from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import share
 from pergrad.server.admission.pools import Place, Pool, take_each
 from pergrad.server.admission.refused import RefusedBytes
-from pergrad.server.errors import ResourceExhausted
-from pergrad.server.status import sized
+from pergrad.server.errors import PergradServerError, ResourceExhausted
+from pergrad.server.status import RefusedRequest, sized
 from pergrad.server.transport.auth import token_key
 from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
 from pergrad.server.transport.handlers import (
@@ -58,6 +58,7 @@ from pergrad.server.transport.handlers import (
     replaced,
 )
 from pergrad.server.transport.open_services import open_parser, refusing
+from pergrad.server.transport.parts import whole_request
 from pergrad.server.transport.stalls import StallTimer, TimedCall
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
@@ -73,6 +74,7 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_calls: int,
         max_open_streams: int,
         max_watch_streams: int,
+        max_request_bytes: int,
         tokens: bool = False,
         admission: Admission | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
@@ -81,6 +83,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._timer = StallTimer(stall_timeout_s, on_stall)
         self._on_refused_unread = on_refused_unread
         self._admission = admission
+        self._max_request_bytes = max_request_bytes
         self._refused = RefusedBytes()
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
@@ -215,9 +218,9 @@ class CallGuard(grpc.ServerInterceptor):
                 self._workers.wait_for(None, context)
             result = behavior(timed.requests(iterator), served)
         else:
-            request = timed.one_request(iterator)
+            whole = functools.partial(self._whole, call=call, context=context)
+            request = timed.one_request(iterator, whole)
             if call is not None:
-                self._hold(request, call, context)
                 self._workers.wait_for(call.caller, context)
             result = behavior(request, served)
         if not handler.response_streaming:
@@ -259,13 +262,33 @@ class CallGuard(grpc.ServerInterceptor):
                 "reflection already; end one, or open another connection",
             )
 
-    def _hold(self, request: Any, call: calls.Call, context: grpc.ServicerContext) -> None:
+    def _whole(
+        self,
+        first: Any,
+        rest: Iterator[Any],
+        call: calls.Call | None,
+        context: grpc.ServicerContext,
+    ) -> Any:
+        """A call to the service's one request, its bytes held (`_hold`) from its first
+        message, which declares them, to the call's end, and its chunks read then
+        (`parts.whole_request`); a refusal on the way handed to the servicer to answer."""
+        if call is None or not isinstance(first, Message):
+            return first  # an open service's, or malformed: its handler refuses it
+        hold = functools.partial(self._hold, caller=call.caller, context=context)
+        try:
+            return whole_request(
+                first, rest, call=call, max_request_bytes=self._max_request_bytes, hold=hold
+            )
+        except PergradServerError as err:
+            return RefusedRequest(err)
+
+    def _hold(self, nbytes: int, caller: str, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end
         (`Admission.hold`): calls queued for a worker hold their requests too."""
-        if self._admission is None or not isinstance(request, Message):
-            return  # a malformed request kept none of its bytes; its handler refuses it
+        if self._admission is None:
+            return
         try:
-            release = self._admission.hold(call.request_bytes, call.caller)
+            release = self._admission.hold(nbytes, caller)
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         if not context.add_callback(release):

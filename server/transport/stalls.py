@@ -23,6 +23,7 @@ from pergrad.server.admission import calls
 from pergrad.server.admission.pools import Place
 from pergrad.server.status import RefusedRequest, Sized
 from pergrad.server.transport.interceptors import ended_by_client
+from pergrad.wire.request_parts import is_chunk
 
 _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
@@ -98,7 +99,7 @@ class TimedCall:
                 return
             if isinstance(item, Sized):
                 item, nbytes = item
-                if self.call is not None:
+                if self.call is not None and not is_chunk(item):
                     self.call.request_bytes = nbytes
             if self.waiting is not None and isinstance(item, RefusedRequest):
                 error = item.error
@@ -120,13 +121,20 @@ class TimedCall:
             if not context.is_active():  # evicted, or ended by its client
                 context.abort(grpc.StatusCode.CANCELLED, _ENDED.format(method=method))
 
-    def one_request(self, iterator: Iterator[Any]) -> Any:
+    def one_request(
+        self, iterator: Iterator[Any], whole: Callable[[Any, Iterator[Any]], Any] | None = None
+    ) -> Any:
         """The one request of a call to a method that takes one (then the client's end),
-        its size on the wire kept on the call's record."""
+        its size on the wire kept on the call's record: `whole` reads the rest of it, if
+        it comes in parts, from the messages after its first."""
         requests = self.requests(iterator)
         try:
             request = next(requests, _NOTHING)
-            more = request is not _NOTHING and next(requests, _NOTHING) is not _NOTHING
+            if request is not _NOTHING and whole is not None:
+                request = whole(request, requests)
+            # A refused request is answered at once, not after the client's end.
+            whole_and_sound = request is not _NOTHING and not isinstance(request, RefusedRequest)
+            more = whole_and_sound and next(requests, _NOTHING) is not _NOTHING
         except grpc.RpcError:
             # Stalled and cancelled, or ended by its client: counted as such, not UNKNOWN.
             code = ended_by_client(self.context)

@@ -45,6 +45,7 @@ from pergrad.server.transport import metrics_http
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
+from pergrad.wire.request_parts import Parts, in_parts
 from tests.helpers import OPEN_METHODS, batch_for, loopback_config, open_call
 from tests.pauses import Gate, Pause
 from tests.prometheus import sample_value, scrape
@@ -1429,15 +1430,16 @@ def _at_the_limit(limit: int, **fields: Any) -> bytes:
 
 
 def _codes_until_barred(
-    running: RunningServer, request: bytes
+    running: RunningServer, request: bytes, *chunks: bytes, charged: int = 0
 ) -> list[tuple[grpc.StatusCode, str]]:
-    """The codes and messages of the calls a connection of its own sends with `request`,
-    until one is refused unread, for as many as would pass the budget and one more."""
+    """The codes and messages of the calls a connection of its own sends with `request`
+    (and its `chunks`, if it comes in parts: then `charged` bytes), until one is refused
+    unread, for as many as would pass the budget and one more."""
     codes = []
     with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
-        unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
-        for _ in range(REFUSED_BYTES // len(request) + 2):
-            err = _raw_call_error(unary(request, timeout=30))
+        call = channel.stream_stream(SERVICE + "ComputePerExampleGradients")
+        for _ in range(REFUSED_BYTES // (charged or len(request)) + 2):
+            err = _raw_call_error(call(iter([request, *chunks]), timeout=30))
             codes.append((err.code(), err.details()))
             if "refused unread" in err.details():
                 break
@@ -1471,7 +1473,7 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
     running = _start()
     try:
         with GradientClient(_target(running), options=OWN_CONNECTION) as honest:
-            limit = honest.model_info("mnist_mlp").limits.max_request_bytes
+            limit = running.limits.count("message_bytes")
             request = refused(limit)
             assert limit - (128 << 10) < len(request) <= limit
             codes = _codes_until_barred(running, request)
@@ -1488,13 +1490,29 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
         running.stop(0)
 
 
+def test_requests_in_parts_refused_for_what_they_hold_are_charged_their_whole_size() -> None:
+    """Requests of 12 MiB sent in parts, their labels short: each is charged its first
+    message and the bytes it declares in chunks, so that parts pass no more bytes
+    through the budget than one message would."""
+    running = _start(max_request_bytes=16 << 20)
+    try:
+        request = pb.GradientsRequest.FromString(_labels_short(12 << 20))
+        header, *chunks = [m.SerializeToString() for m in in_parts(request)]
+        charged = len(header) + Parts(pb.GradientsRequest.FromString(header)).nbytes
+        codes = _codes_until_barred(running, header, *chunks, charged=charged)
+        assert {c for c, _ in codes[:-1]} == {grpc.StatusCode.INVALID_ARGUMENT}
+        assert "refused unread" in codes[-1][1]
+        assert len(codes) - 1 == REFUSED_BYTES // charged + 1
+    finally:
+        running.stop(0)
+
+
 def test_requests_refused_for_the_servers_state_never_bar_their_caller() -> None:
     """Pinned to a version that is not current (FAILED_PRECONDITION), as a trainer racing
     an update is: as many bytes as would pass the budget, all answered as such."""
     running = _start()
     try:
-        with GradientClient(_target(running)) as client:
-            limit = client.model_info("mnist_mlp").limits.max_request_bytes
+        limit = running.limits.count("message_bytes")
         codes = _codes_until_barred(running, _at_the_limit(limit, model_version=99))
         assert {c for c, _ in codes} == {grpc.StatusCode.FAILED_PRECONDITION}
     finally:
@@ -1506,16 +1524,15 @@ def test_a_streams_refused_request_is_charged_alone() -> None:
     one refused: the caller's next call is served (its served requests are not charged)."""
     running = _start()
     try:
-        with GradientClient(_target(running), options=OWN_CONNECTION) as client:
-            limit = client.model_info("mnist_mlp").limits.max_request_bytes
-            served = _at_the_limit(limit, reduction=pb.REDUCTION_NORMS)
-            requests = [served] * (REFUSED_BYTES // len(served) + 1) + [_labels_short(limit)]
-            with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
-                stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
-                err = _raw_call_error(stream(iter(requests), timeout=120))
-                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-                unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
-                assert list(unary(served, timeout=30))
+        limit = running.limits.count("message_bytes")
+        served = _at_the_limit(limit, reduction=pb.REDUCTION_NORMS)
+        requests = [served] * (REFUSED_BYTES // len(served) + 1) + [_labels_short(limit)]
+        with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
+            stream = channel.stream_stream(SERVICE + "StreamPerExampleGradients")
+            err = _raw_call_error(stream(iter(requests), timeout=120))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            unary = channel.unary_stream(SERVICE + "ComputePerExampleGradients")
+            assert list(unary(served, timeout=30))
     finally:
         running.stop(0)
 
@@ -1527,8 +1544,7 @@ def test_each_stream_is_charged_its_refused_request() -> None:
     barred after half as many)."""
     running = _start()
     try:
-        with GradientClient(_target(running), options=OWN_CONNECTION) as client:
-            limit = client.model_info("mnist_mlp").limits.max_request_bytes
+        limit = running.limits.count("message_bytes")
         served = _at_the_limit(limit, reduction=pb.REDUCTION_NORMS)
         refused = _labels_short(limit)
         details = []

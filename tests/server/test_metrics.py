@@ -134,7 +134,9 @@ def test_stream_measures_each_batch_as_a_request(
 def test_in_flight_gauges_hold_a_request_until_it_ends(fresh_server: RunningServer) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
         stub = pb_grpc.GradientServiceStub(channel)
-        responses = stub.ComputePerExampleGradients(_raw_request("mnist_mlp", 256), timeout=60)
+        responses = stub.ComputePerExampleGradients(
+            iter([_raw_request("mnist_mlp", 256)]), timeout=60
+        )
         assert next(responses).HasField("header")
         # 100 MB of gradients cannot all be buffered: the call stays open until read
         assert _value(fresh_server, "pergrad_requests_in_flight") == 1
@@ -148,7 +150,9 @@ def test_in_flight_gauges_hold_a_request_until_it_ends(fresh_server: RunningServ
 def test_cancelled_request_counts_no_examples(fresh_server: RunningServer) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
         stub = pb_grpc.GradientServiceStub(channel)
-        responses = stub.ComputePerExampleGradients(_raw_request("mnist_mlp", 256), timeout=60)
+        responses = stub.ComputePerExampleGradients(
+            iter([_raw_request("mnist_mlp", 256)]), timeout=60
+        )
         next(responses)
         responses.cancel()
         assert _until(lambda: _handled(fresh_server, COMPUTE, "server_stream", "CANCELLED") == 1)
@@ -163,7 +167,7 @@ def test_refused_request_is_counted_by_its_status_code(server: RunningServer) ->
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.GradientServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.ComputePerExampleGradients(_raw_request("nope", 1), timeout=30))
+            list(stub.ComputePerExampleGradients(iter([_raw_request("nope", 1)]), timeout=30))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert _value(server, "pergrad_requests_rejected_total", reason="NOT_FOUND") == rejected + 1
     assert _handled(server, COMPUTE, "server_stream", "NOT_FOUND") == handled + 1

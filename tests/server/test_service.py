@@ -286,7 +286,7 @@ def test_wrong_input_dtype_on_the_wire_is_refused(server: RunningServer) -> None
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.GradientServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.ComputePerExampleGradients(request, timeout=30))
+            list(stub.ComputePerExampleGradients(iter([request]), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "inputs: dtype float64, model expects float32" in err.value.details()
 
@@ -306,7 +306,7 @@ def test_tensor_bytes_that_do_not_match_the_shape_are_refused(server: RunningSer
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.GradientServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.ComputePerExampleGradients(request, timeout=30))
+            list(stub.ComputePerExampleGradients(iter([request]), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "inputs: float32 [2, 784] needs 6272 bytes, got 100" in err.value.details()
 

@@ -205,7 +205,8 @@ from pergrad.v1 import gradient_service_pb2_grpc as rpc
 with grpc.insecure_channel(sys.argv[1]) as channel:  # no client-side check on the way
     request = pb.GradientsRequest(model="mnist_mlp", reduction=int(sys.argv[2]), factor=-1)
     try:
-        list(rpc.GradientServiceStub(channel).ComputePerExampleGradients(request, timeout=30))
+        stub = rpc.GradientServiceStub(channel)
+        list(stub.ComputePerExampleGradients(iter([request]), timeout=30))
         print(json.dumps(None))
     except grpc.RpcError as err:
         print(json.dumps([err.code().name, err.details()]))

@@ -139,7 +139,7 @@ class SetWeightsResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class GradientsRequest(_message.Message):
-    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype", "weights_id", "named_inputs", "inline_result")
+    __slots__ = ("model", "model_version", "inputs", "labels", "request_id", "reduction", "variables", "max_norm", "noise_multiplier", "seed", "reference", "dim", "projection", "wire_dtype", "weights_id", "named_inputs", "inline_result", "chunk")
     class ReferenceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class GradientsRequest(_message.Message):
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     NAMED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     INLINE_RESULT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     inputs: _tensor_pb2.Tensor
@@ -188,7 +189,8 @@ class GradientsRequest(_message.Message):
     weights_id: str
     named_inputs: _containers.MessageMap[str, _tensor_pb2.Tensor]
     inline_result: bool
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., weights_id: _Optional[str] = ..., named_inputs: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., inline_result: _Optional[bool] = ...) -> None: ...
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., inputs: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., labels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., request_id: _Optional[int] = ..., reduction: _Optional[_Union[Reduction, str]] = ..., variables: _Optional[_Iterable[str]] = ..., max_norm: _Optional[float] = ..., noise_multiplier: _Optional[float] = ..., seed: _Optional[int] = ..., reference: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., dim: _Optional[int] = ..., projection: _Optional[_Union[ProjectionKind, str]] = ..., wire_dtype: _Optional[_Union[_tensor_pb2.DataType, str]] = ..., weights_id: _Optional[str] = ..., named_inputs: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., inline_result: _Optional[bool] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class ResultTensor(_message.Message):
     __slots__ = ("field", "tensor")
@@ -219,7 +221,7 @@ class ResultHeader(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("model", "model_version", "weights_id", "new_version", "batch", "gradient_sum", "learning_rate", "expected_batch_size")
+    __slots__ = ("model", "model_version", "weights_id", "new_version", "batch", "gradient_sum", "learning_rate", "expected_batch_size", "chunk")
     class GradientSumEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +237,7 @@ class StepRequest(_message.Message):
     GRADIENT_SUM_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     weights_id: str
@@ -243,7 +246,8 @@ class StepRequest(_message.Message):
     gradient_sum: _containers.MessageMap[str, _tensor_pb2.Tensor]
     learning_rate: float
     expected_batch_size: float
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., new_version: _Optional[int] = ..., batch: _Optional[_Union[GradientsRequest, _Mapping]] = ..., gradient_sum: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., learning_rate: _Optional[float] = ..., expected_batch_size: _Optional[float] = ...) -> None: ...
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., new_version: _Optional[int] = ..., batch: _Optional[_Union[GradientsRequest, _Mapping]] = ..., gradient_sum: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., learning_rate: _Optional[float] = ..., expected_batch_size: _Optional[float] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("model", "model_version", "weights_id", "server", "losses", "norms", "num_clipped", "gradient_norm", "update_norms")

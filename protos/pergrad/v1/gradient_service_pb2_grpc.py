@@ -54,7 +54,7 @@ class GradientServiceStub:
                 request_serializer=pergrad_dot_v1_dot_gradient__service__pb2.WeightsMessage.SerializeToString,
                 response_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.SetWeightsResponse.FromString,
                 _registered_method=True)
-        self.ComputePerExampleGradients = channel.unary_stream(
+        self.ComputePerExampleGradients = channel.stream_stream(
                 '/pergrad.v1.GradientService/ComputePerExampleGradients',
                 request_serializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.SerializeToString,
                 response_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.FromString,
@@ -64,7 +64,7 @@ class GradientServiceStub:
                 request_serializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.SerializeToString,
                 response_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.FromString,
                 _registered_method=True)
-        self.ApplyStep = channel.unary_unary(
+        self.ApplyStep = channel.stream_unary(
                 '/pergrad.v1.GradientService/ApplyStep',
                 request_serializer=pergrad_dot_v1_dot_gradient__service__pb2.StepRequest.SerializeToString,
                 response_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.StepResponse.FromString,
@@ -108,17 +108,20 @@ class GradientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ComputePerExampleGradients(self, request, context):
+    def ComputePerExampleGradients(self, request_iterator, context):
         """Per-example losses and gradients of one batch: one GradientsResponse with the
         ResultHeader, then chunks. The result is complete when every byte of every output the
-        header lists has arrived; the stream then ends.
+        header lists has arrived; the stream then ends. The call sends one request and its
+        chunks (see "Requests in parts"), then ends its side; another request is
+        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def StreamPerExampleGradients(self, request_iterator, context):
-        """Many batches on one call. Results come back in request order, each a header followed by
+        """Many batches on one call, each request followed by its chunks, if any (see "Requests
+        in parts"). Results come back in request order, each a header followed by
         its chunks, every part tagged with its request's request_id; results never interleave
         (the next header comes only after the previous result is complete). A failing request
         ends the call with its status; the results before it were complete.
@@ -127,7 +130,7 @@ class GradientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ApplyStep(self, request, context):
+    def ApplyStep(self, request_iterator, context):
         """One training step on the server: the step's gradient (computed from a batch, or
         given), divided by the expected batch size, is applied to the current weights by
         the model's optimizer (ModelInfo.optimizer), and the new weights become current with
@@ -139,6 +142,7 @@ class GradientServiceServicer:
         learning_rate times it, overflows float32) is FAILED_PRECONDITION and changes
         nothing; so is one whose batch's result holds NaN or infinity. A step from a batch
         sends neither the weights nor the gradient over the wire. A model's steps take turns.
+        The call sends one StepRequest and its chunks, as ComputePerExampleGradients does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -167,7 +171,7 @@ def add_GradientServiceServicer_to_server(servicer, server):
                     request_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.WeightsMessage.FromString,
                     response_serializer=pergrad_dot_v1_dot_gradient__service__pb2.SetWeightsResponse.SerializeToString,
             ),
-            'ComputePerExampleGradients': grpc.unary_stream_rpc_method_handler(
+            'ComputePerExampleGradients': grpc.stream_stream_rpc_method_handler(
                     servicer.ComputePerExampleGradients,
                     request_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.FromString,
                     response_serializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.SerializeToString,
@@ -177,7 +181,7 @@ def add_GradientServiceServicer_to_server(servicer, server):
                     request_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.FromString,
                     response_serializer=pergrad_dot_v1_dot_gradient__service__pb2.GradientsResponse.SerializeToString,
             ),
-            'ApplyStep': grpc.unary_unary_rpc_method_handler(
+            'ApplyStep': grpc.stream_unary_rpc_method_handler(
                     servicer.ApplyStep,
                     request_deserializer=pergrad_dot_v1_dot_gradient__service__pb2.StepRequest.FromString,
                     response_serializer=pergrad_dot_v1_dot_gradient__service__pb2.StepResponse.SerializeToString,
@@ -302,7 +306,7 @@ class GradientService:
             _registered_method=True)
 
     @staticmethod
-    def ComputePerExampleGradients(request,
+    def ComputePerExampleGradients(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -312,8 +316,8 @@ class GradientService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pergrad.v1.GradientService/ComputePerExampleGradients',
             pergrad_dot_v1_dot_gradient__service__pb2.GradientsRequest.SerializeToString,
@@ -356,7 +360,7 @@ class GradientService:
             _registered_method=True)
 
     @staticmethod
-    def ApplyStep(request,
+    def ApplyStep(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -366,8 +370,8 @@ class GradientService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/pergrad.v1.GradientService/ApplyStep',
             pergrad_dot_v1_dot_gradient__service__pb2.StepRequest.SerializeToString,

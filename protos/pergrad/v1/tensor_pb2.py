@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pergrad/v1/tensor.proto\x12\npergrad.v1\"N\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"M\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*\xd5\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x02\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x03\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x07\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pergrad/v1/tensor.proto\x12\npergrad.v1\"N\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x05\x64type\x18\x02 \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"^\n\x06Tensor\x12#\n\x05\x64type\x18\x01 \x01(\x0e\x32\x14.pergrad.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\x0c\x12\x0f\n\x07\x63hunked\x18\x04 \x01(\x08\";\n\x0bTensorChunk\x12\x0e\n\x06tensor\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*\xd5\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x01\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x02\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x03\x12\x16\n\x12\x44\x41TA_TYPE_BFLOAT16\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x05\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x06\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x07\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pergrad.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=260
-  _globals['_DATATYPE']._serialized_end=473
+  _globals['_DATATYPE']._serialized_start=277
+  _globals['_DATATYPE']._serialized_end=490
   _globals['_TENSORSPEC']._serialized_start=39
   _globals['_TENSORSPEC']._serialized_end=117
   _globals['_TENSOR']._serialized_start=119
-  _globals['_TENSOR']._serialized_end=196
-  _globals['_TENSORCHUNK']._serialized_start=198
-  _globals['_TENSORCHUNK']._serialized_end=257
+  _globals['_TENSOR']._serialized_end=213
+  _globals['_TENSORCHUNK']._serialized_start=215
+  _globals['_TENSORCHUNK']._serialized_end=274
 # @@protoc_insertion_point(module_scope)

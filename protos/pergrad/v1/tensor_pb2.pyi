@@ -39,14 +39,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "content")
+    __slots__ = ("dtype", "shape", "content", "chunked")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
     dtype: DataType
     shape: _containers.RepeatedScalarFieldContainer[int]
     content: bytes
-    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ...) -> None: ...
+    chunked: bool
+    def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., content: _Optional[bytes] = ..., chunked: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")

@@ -1,0 +1,176 @@
+"""Requests in parts against a live server, sent raw as a client of the contract would:
+answered as the same request in one message, their size refused and held from the first
+message before any chunk is read, their chunks checked and timed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from pergrad.server.main import RunningServer, start
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.messages import gradients_request
+from pergrad.wire.request_parts import MESSAGE_BYTES, in_parts
+from tests.helpers import batch_for, loopback_config
+
+SERVICE = "/pergrad.v1.GradientService/"
+KIB = 1 << 10
+
+
+@pytest.fixture(scope="module")
+def running() -> Iterator[RunningServer]:
+    """mnist_mlp; stalls cancelled after two seconds."""
+    server = start(loopback_config("mnist_mlp", max_batch=2048, stall_timeout_s=2.0))
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture()
+def channel(running: RunningServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{running.port}") as opened:
+        yield opened
+
+
+def _norms_request(batch: int, request_id: int = 0) -> pb.GradientsRequest:
+    x, y = batch_for((784,), 10, batch)
+    norms = CATALOGUE.get("norms")
+    return gradients_request("mnist_mlp", x, y, reduction=norms, options={}, request_id=request_id)
+
+
+def _call(channel: grpc.Channel, method: str, messages: Iterator, timeout: float = 60) -> list:
+    """A method's raw responses to these messages (ApplyStep's one reply in a list)."""
+    if method == "ApplyStep":
+        call = channel.stream_unary(SERVICE + method)
+        return [call((m.SerializeToString() for m in messages), timeout=timeout)]
+    call = channel.stream_stream(SERVICE + method)
+    return list(call((m.SerializeToString() for m in messages), timeout=timeout))
+
+
+def _refusal(channel: grpc.Channel, messages: Iterator, method: str = "ComputePerExampleGradients"):
+    with pytest.raises(grpc.RpcError) as refused:
+        _call(channel, method, messages, timeout=30)
+    return refused.value
+
+
+def _then_silence(messages: list, until: threading.Event) -> Iterator:
+    """The messages, then a stream that stays open until `until` (the call ended)."""
+    yield from messages
+    until.wait(30)
+
+
+def test_a_request_in_parts_is_answered_as_the_same_request_in_one_message(
+    channel: grpc.Channel,
+) -> None:
+    request = _norms_request(512)  # 1.6 MB: within one message too
+    parts = in_parts(request, inline_bytes=64 * KIB, chunk_bytes=100 * KIB)
+    assert len(parts) > 10
+    method = "ComputePerExampleGradients"
+    assert _call(channel, method, iter(parts)) == _call(channel, method, iter([request]))
+
+
+def test_a_stream_reads_each_request_with_its_chunks(channel: grpc.Channel) -> None:
+    large, small = _norms_request(512, request_id=1), _norms_request(3, request_id=2)
+    messages = [*in_parts(large, inline_bytes=KIB), small]
+    responses = _call(channel, "StreamPerExampleGradients", iter(messages))
+    alone = _call(channel, "ComputePerExampleGradients", iter([large]))
+    assert responses[: len(alone)] == alone
+
+
+def test_a_step_applies_a_batch_sent_in_parts(channel: grpc.Channel) -> None:
+    step = pb.StepRequest(model="mnist_mlp", learning_rate=0.1, batch=_norms_request(512))
+    step.batch.model = ""
+    step.batch.reduction = pb.REDUCTION_MOMENTS
+    (reply,) = _call(channel, "ApplyStep", iter(in_parts(step, inline_bytes=KIB)))
+    assert pb.StepResponse.FromString(reply).losses.shape == [512]
+
+
+def test_one_message_over_the_fixed_bound_is_refused_whatever_the_models(
+    running: RunningServer, channel: grpc.Channel
+) -> None:
+    request = _norms_request(1400)  # 4.4 MB: within --max-request-bytes, not one message
+    assert request.ByteSize() > MESSAGE_BYTES
+    assert running.limits.count("request_bytes") > request.ByteSize()
+    refused = _refusal(channel, iter([request]))
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    first, *_ = _call(channel, "ComputePerExampleGradients", iter(in_parts(request)))
+    assert pb.GradientsResponse.FromString(first).header.batch_size == 1400
+
+
+def _declaring(shape: list[int]) -> pb.GradientsRequest:
+    """A header whose inputs, float32 of this shape, are to follow in chunks."""
+    request = _norms_request(2)
+    request.inputs.CopyFrom(tensor_pb2.Tensor(dtype=1, shape=shape, chunked=True))
+    return request
+
+
+def test_a_request_declaring_more_than_max_request_bytes_is_refused_before_any_chunk(
+    channel: grpc.Channel,
+) -> None:
+    ended = threading.Event()
+    refused = _refusal(channel, _then_silence([_declaring([1 << 20, 784])], ended))
+    ended.set()
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-request-bytes" in refused.details()
+
+
+def test_a_request_is_held_from_its_first_message() -> None:
+    """Declared bytes past what calls may hold at once are refused before any chunk."""
+    server = start(
+        loopback_config("mnist_mlp", max_request_bytes=1 << 30, max_inflight_bytes=1 << 24)
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as opened:
+            ended = threading.Event()
+            refused = _refusal(opened, _then_silence([_declaring([1 << 14, 784])], ended))
+            ended.set()
+    finally:
+        server.stop(0)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-inflight-bytes" in refused.details()
+
+
+def _chunk(tensor: int, offset: int, data: bytes) -> pb.GradientsRequest:
+    return pb.GradientsRequest(
+        chunk=tensor_pb2.TensorChunk(tensor=tensor, offset=offset, data=data)
+    )
+
+
+@pytest.mark.parametrize(
+    ("chunks", "named"),
+    [
+        ([_chunk(0, 4, bytes(8))], "out of order"),
+        ([_chunk(0, 0, bytes(4 * 784 * 2 + 4))], "past"),
+        ([_chunk(3, 0, bytes(8))], "declared"),
+        ([_chunk(0, 0, bytes(8))], "truncated"),
+    ],
+)
+def test_a_chunk_out_of_place_or_missing_is_invalid_argument(
+    channel: grpc.Channel, chunks: list, named: str
+) -> None:
+    refused = _refusal(channel, iter([_declaring([2, 784]), *chunks]))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in refused.details()
+
+
+def test_a_second_request_on_a_call_taking_one_is_invalid_argument(
+    channel: grpc.Channel,
+) -> None:
+    request = _norms_request(4)
+    refused = _refusal(channel, iter([*in_parts(request, inline_bytes=KIB), request]))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than one" in refused.details()
+
+
+def test_a_request_whose_chunks_stop_coming_is_cancelled_as_stalled(
+    channel: grpc.Channel,
+) -> None:
+    ended = threading.Event()
+    first = _chunk(0, 0, bytes(1024))
+    refused = _refusal(channel, _then_silence([_declaring([2, 784]), first], ended))
+    ended.set()
+    assert refused.code() == grpc.StatusCode.CANCELLED

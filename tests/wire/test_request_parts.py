@@ -1,0 +1,137 @@
+"""Requests in parts: how a client splits a request (`in_parts`) and a server fills it back
+(`Parts`), by the proto's one numbering of chunked tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.codec import CodecError, encode_tensor
+from pergrad.wire.request_parts import Parts, in_parts, is_chunk, request_tensors
+
+KIB = 1 << 10
+
+
+def _request(inputs: int, labels: int, **references: int) -> pb.GradientsRequest:
+    """A request of float32 inputs and int64 labels of about these bytes, and references."""
+    request = pb.GradientsRequest(
+        model="m",
+        inputs=encode_tensor(np.arange(inputs // 4, dtype=np.float32)),
+        labels=encode_tensor(np.arange(labels // 8, dtype=np.int64)),
+    )
+    for name, nbytes in references.items():
+        request.reference[name].CopyFrom(encode_tensor(np.full(nbytes // 4, 7, np.float32)))
+    return request
+
+
+def _filled(parts: list) -> pb.GradientsRequest:
+    """The request a receiver makes of the parts."""
+    whole = Parts(parts[0])
+    for message in parts[1:]:
+        whole.add(message)
+    assert whole.complete
+    return whole.whole()
+
+
+def test_a_request_within_the_inline_bytes_travels_as_one_message() -> None:
+    request = _request(100 * KIB, 8 * KIB)
+    assert in_parts(request, inline_bytes=200 * KIB) == [request]
+
+
+def test_the_largest_tensors_are_chunked_until_the_rest_fit() -> None:
+    request = _request(300 * KIB, 8 * KIB, a=200 * KIB, b=50 * KIB)
+    header, *chunks = in_parts(request, inline_bytes=100 * KIB, chunk_bytes=64 * KIB)
+    chunked = [what for what, tensor in request_tensors(header) if tensor.chunked]
+    assert chunked == ["inputs", "reference['a']"]
+    assert all(is_chunk(c) and len(c.ListFields()) == 1 for c in chunks)
+    assert sorted({c.chunk.tensor for c in chunks}) == [0, 1]  # numbered in the proto's order
+
+
+def test_a_request_in_parts_is_filled_back_byte_for_byte() -> None:
+    request = _request(300 * KIB, 200 * KIB, zz=120 * KIB, aa=130 * KIB)
+    parts = in_parts(request, inline_bytes=10 * KIB, chunk_bytes=48 * KIB)
+    assert len(parts) > 4
+    assert _filled(parts) == request
+
+
+def test_splitting_leaves_the_request_unchanged_for_a_retry() -> None:
+    request = _request(300 * KIB, 8 * KIB)
+    copy = pb.GradientsRequest()
+    copy.CopyFrom(request)
+    in_parts(request, inline_bytes=KIB)
+    assert request == copy
+
+
+def test_a_step_numbers_its_batch_tensors_before_its_gradient_sum() -> None:
+    step = pb.StepRequest(model="m", batch=_request(64 * KIB, 64 * KIB))
+    step.gradient_sum["w"].CopyFrom(encode_tensor(np.ones(16 * KIB, np.float32)))
+    assert [w for w, _ in request_tensors(step)] == [
+        "batch.inputs",
+        "batch.labels",
+        "gradient_sum['w']",
+    ]
+    assert _filled(in_parts(step, inline_bytes=KIB, chunk_bytes=40 * KIB)) == step
+
+
+def test_declared_bytes_are_known_before_any_chunk() -> None:
+    header, *_ = in_parts(_request(300 * KIB, 80 * KIB), inline_bytes=KIB)
+    assert Parts(header).nbytes == 300 * KIB + 80 * KIB
+
+
+def _header(**tensor: object) -> pb.GradientsRequest:
+    return pb.GradientsRequest(model="m", inputs=tensor_pb2.Tensor(**tensor))
+
+
+def test_a_shape_no_array_could_hold_is_refused_from_the_header() -> None:
+    with pytest.raises(CodecError, match="2\\^40"):
+        Parts(_header(dtype=1, shape=[1 << 30, 1 << 30], chunked=True))
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (pb.GradientsRequest(chunk=tensor_pb2.TensorChunk()), "a chunk where a request was due"),
+        (
+            pb.GradientsRequest(
+                inputs=tensor_pb2.Tensor(dtype=1, shape=[1], content=b"1234", chunked=True)
+            ),
+            "chunked, yet holds 4 bytes",
+        ),
+    ],
+)
+def test_a_first_message_out_of_place_is_refused(message: pb.GradientsRequest, match: str) -> None:
+    with pytest.raises(CodecError, match=match):
+        Parts(message)
+
+
+def _chunk(tensor: int, offset: int, data: bytes, **beside: object) -> pb.GradientsRequest:
+    return pb.GradientsRequest(
+        chunk=tensor_pb2.TensorChunk(tensor=tensor, offset=offset, data=data), **beside
+    )
+
+
+@pytest.mark.parametrize(
+    ("chunks", "match"),
+    [
+        ([_chunk(0, 4, b"abcd")], "out of order"),
+        ([_chunk(0, 0, b"x" * 12)], "past 8"),
+        ([_chunk(1, 0, b"abcd")], "only 1 declared"),
+        ([_chunk(0, 0, b"abcd", model="m")], "holding only `chunk`"),
+        ([pb.GradientsRequest(model="another")], "holding only `chunk`"),
+        ([_chunk(0, 0, b"abcd")], "truncated: 4 of 8 bytes"),
+        ([], "truncated: 0 of 8 bytes"),
+    ],
+)
+def test_a_chunk_out_of_place_or_missing_is_refused(chunks: list, match: str) -> None:
+    parts = Parts(_header(dtype=1, shape=[2], chunked=True))
+    with pytest.raises(CodecError, match=match):
+        for chunk in chunks:
+            parts.add(chunk)
+        parts.whole()
+
+
+def test_a_message_of_another_kind_is_whole() -> None:
+    parts = Parts(pb.ListModelsRequest())
+    assert (parts.nbytes, parts.complete) == (0, True)

@@ -1,0 +1,140 @@
+"""Requests in parts (gradient_service.proto): a GradientsRequest or StepRequest whose
+large tensors are marked `chunked` and follow it as messages holding only a chunk. The
+one place that numbers a request's chunked tensors: for the client that splits a request
+(`in_parts`) and the server that fills it back (`Parts`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf.message import Message
+
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.v1 import tensor_pb2
+from pergrad.wire.codec import (
+    DEFAULT_CHUNK_BYTES,
+    CodecError,
+    TensorAssembler,
+    checked_shape,
+    declared_nbytes,
+    numpy_dtype,
+)
+from pergrad.wire.text import quoted
+
+# The most a server takes in one message, whatever the models it serves (gRPC's default).
+MESSAGE_BYTES = 4 << 20
+# What a client keeps inline at most: its largest tensors are chunked until the rest fit,
+# so that a request's first message stays well within MESSAGE_BYTES.
+INLINE_BYTES = 1 << 20
+# The requests that may come in parts; any other message is always whole.
+_IN_PARTS = (pb.GradientsRequest, pb.StepRequest)
+Request = pb.GradientsRequest | pb.StepRequest
+
+
+def _by_name(field: str, tensors: Mapping[str, tensor_pb2.Tensor]) -> list[tuple[str, Any]]:
+    """A map's tensors in ascending byte order of their names, each named by its field."""
+    return [(f"{field}[{quoted(n)}]", tensors[n]) for n in sorted(tensors, key=str.encode)]
+
+
+def request_tensors(message: Message) -> list[tuple[str, tensor_pb2.Tensor]]:
+    """Every tensor of a GradientsRequest or StepRequest, named by its field, in the order
+    that numbers the chunked ones; none for any other message."""
+    if isinstance(message, pb.StepRequest):
+        batch = request_tensors(message.batch) if message.HasField("batch") else []
+        named = [(f"batch.{what}", tensor) for what, tensor in batch]
+        return named + _by_name("gradient_sum", message.gradient_sum)
+    if not isinstance(message, pb.GradientsRequest):
+        return []  # a message of another kind is always whole
+    tensors = [("inputs", message.inputs)] if message.HasField("inputs") else []
+    tensors += _by_name("named_inputs", message.named_inputs)
+    tensors += [("labels", message.labels)] if message.HasField("labels") else []
+    return tensors + _by_name("reference", message.reference)
+
+
+def _nbytes(what: str, tensor: tensor_pb2.Tensor) -> int:
+    """The bytes a tensor's dtype and shape declare (refused where no array could hold
+    them, before anything is allocated)."""
+    dtype = numpy_dtype(tensor.dtype)
+    return declared_nbytes(dtype, checked_shape(tensor.shape, what=what))
+
+
+def in_parts(
+    message: Request, *, inline_bytes: int = INLINE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> list[Request]:
+    """The request as it travels: [message] where its tensors hold `inline_bytes` at most,
+    else a copy with its largest tensors marked `chunked` until the others do, their
+    bytes in chunk messages after it (`message` itself unchanged: a retry sends it again)."""
+    sizes = [_nbytes(what, t) for what, t in request_tensors(message)]
+    inline, moved = sum(sizes), set()
+    for size, position in sorted(((s, i) for i, s in enumerate(sizes)), reverse=True):
+        if inline <= inline_bytes:
+            break
+        moved.add(position)
+        inline -= size
+    if not moved:
+        return [message]
+    header = copy.deepcopy(message)
+    tensors = [t for _, t in request_tensors(header)]
+    chunks = []
+    for index, position in enumerate(sorted(moved)):
+        data = memoryview(tensors[position].content)
+        tensors[position].content, tensors[position].chunked = b"", True
+        for offset in range(0, len(data), chunk_bytes):
+            piece = data[offset : offset + chunk_bytes].tobytes()
+            chunk = tensor_pb2.TensorChunk(tensor=index, offset=offset, data=piece)
+            chunks.append(type(message)(chunk=chunk))
+    return [header, *chunks]
+
+
+def is_chunk(message: Any) -> bool:
+    """Whether `message` carries a chunk of the request before it."""
+    return isinstance(message, _IN_PARTS) and message.HasField("chunk")
+
+
+class Parts:
+    """A request's chunked tensors (`nbytes` of them, as declared), filled from the chunk
+    messages that follow it (`add`) until `complete`; `whole` is then the request."""
+
+    def __init__(self, message: Message) -> None:
+        if is_chunk(message):
+            raise CodecError(f"{type(message).__name__}: a chunk where a request was due")
+        self._message = message
+        self._chunked = [(w, t) for w, t in request_tensors(message) if t.chunked]
+        for what, tensor in self._chunked:
+            if tensor.content:
+                raise CodecError(f"{what}: chunked, yet holds {len(tensor.content)} bytes")
+        self.nbytes = sum(_nbytes(what, tensor) for what, tensor in self._chunked)
+        self._assembler: TensorAssembler | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self._assembly().complete if self._chunked else True
+
+    def add(self, message: Request) -> None:
+        """One chunk message: only its chunk set, for a tensor still missing bytes."""
+        if not message.HasField("chunk") or len(message.ListFields()) != 1:
+            raise CodecError(
+                f"{type(message).__name__}: a message holding only `chunk` was due (the "
+                f"request before it declares {self.nbytes} bytes in chunks)"
+            )
+        self._assembly().add(message.chunk)
+
+    def whole(self) -> Message:
+        """The request, every chunked tensor's bytes in place (refused if any is short)."""
+        if self._chunked:
+            arrays = self._assembly().arrays()
+            for (_, tensor), array in zip(self._chunked, arrays, strict=True):
+                tensor.content, tensor.chunked = array.tobytes(), False
+        return self._message
+
+    def _assembly(self) -> TensorAssembler:
+        """Allocated when first needed: after the caller checked and priced `nbytes`."""
+        if self._assembler is None:
+            specs = [
+                tensor_pb2.TensorSpec(name=what, dtype=t.dtype, shape=t.shape)
+                for what, t in self._chunked
+            ]
+            self._assembler = TensorAssembler(specs)
+        return self._assembler
