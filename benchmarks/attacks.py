@@ -58,8 +58,8 @@ from pergrad.client.local import LocalServer
 from pergrad.server.config import AUTO_COALESCED_BATCH
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.chunked_requests import MESSAGE_BYTES
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
-from pergrad.wire.request_parts import MESSAGE_BYTES
 
 WRITER, CARELESS_WRITER, READER = "secret", "careless", "reader"
 SERVICE = "/pergrad.v1.GradientService/"

@@ -18,8 +18,8 @@ import grpc
 import grpc.experimental
 
 from pergrad.client._credentials import Security
+from pergrad.client._methods import Methods
 from pergrad.client._types import PergradError
-from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.wire.rpc import SERVICE, SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 << 20
@@ -143,25 +143,26 @@ class Replicas:
         target: str,
         options: list[tuple[str, Any]],
         security: Security,
-        stub: pb_grpc.GradientServiceStub,
+        methods: Methods,
     ) -> None:
-        self._target, self._options, self._security, self._stub = target, options, security, stub
+        self._target, self._options, self._security = target, options, security
+        self._methods = methods
         self._channels: list[grpc.Channel] = []
 
     @functools.cached_property
     def addresses(self) -> list[str]:
         return replica_addresses(self._target)
 
-    def stubs(self) -> list[pb_grpc.GradientServiceStub]:
-        """A stub for each replica: the client's own where there is one."""
+    def methods(self) -> list[Methods]:
+        """The service's methods on each replica: the client's own where there is one."""
         if len(self.addresses) == 1:
-            return [self._stub]
+            return [self._methods]
         if not self._channels:
             self._channels = [
                 open_channel(a, self._options, self._security, replica_of=self._target)
                 for a in self.addresses
             ]
-        return [pb_grpc.GradientServiceStub(c) for c in self._channels]
+        return [Methods(c) for c in self._channels]
 
     def close(self) -> None:
         for channel in self._channels:

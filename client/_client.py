@@ -72,7 +72,7 @@ class GradientClient:
         security = security or Security.of(**credentials)
         self._channel = open_channel(target, list(options), security)
         self._methods = Methods(self._channel)
-        self._replicas = Replicas(target, list(options), security, self._methods.stub)
+        self._replicas = Replicas(target, list(options), security, self._methods)
         self._known = Known(self._methods, max_model_bytes)
         self._timeout, self._retries = timeout, retries
         self._max_in_flight, self._micro_batch = max_in_flight, micro_batch

@@ -11,12 +11,12 @@ import grpc
 import numpy as np
 
 from pergrad.client._call import Call
+from pergrad.client._methods import Methods
 from pergrad.client._types import ModelInfo, PergradError, answer_checked, invalid
 from pergrad.client._weights import WeightsWriter
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import STEP_SUMS
 from pergrad.wire.codec import decode_tensor, encode_tensor
-from pergrad.wire.request_parts import in_parts
 from pergrad.wire.results import GradientResult
 
 
@@ -115,10 +115,8 @@ def on_all(
     step.expected_batch_size = step.expected_batch_size or result.batch_size
     step.new_version = writer.next_version(info.name, timeout)
 
-    parts = in_parts(step)
-
-    def apply(stub: Any) -> pb.StepResponse:
-        return stub.ApplyStep(iter(parts), timeout=timeout)
+    def apply(methods: Methods) -> pb.StepResponse:
+        return methods.step(step, timeout=timeout)
 
     replies = writer.on_all(apply)
     first = replies[0]

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 
 from pergrad.client._channels import Replicas
+from pergrad.client._methods import Methods
 from pergrad.client._types import ModelInfo, PergradError, answer_checked
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.wire.codec import CodecError, TensorAssembler, iter_chunks, numpy_dtype, tensor_spec
 
 
@@ -77,7 +77,7 @@ class WeightsWriter:
             self.next_version(info.name, timeout) if len(self._replicas.addresses) > 1 else 0
         )
 
-        def send(stub: pb_grpc.GradientServiceStub) -> tuple[int, str]:
+        def send(methods: Methods) -> tuple[int, str]:
             header = pb.WeightsHeader(
                 model=info.name,
                 model_version=expected_version,
@@ -85,7 +85,7 @@ class WeightsWriter:
                 new_version=new_version,
             )
             messages = _messages(header, arrays, self._chunk_bytes)
-            reply = stub.SetWeights(messages, timeout=timeout)
+            reply = methods.stub.SetWeights(messages, timeout=timeout)
             return reply.model_version, reply.weights_id
 
         return max(self.on_all(send))
@@ -94,12 +94,14 @@ class WeightsWriter:
         """One more than the highest version any replica has: the version an update
         gives them all."""
         request = pb.GetModelInfoRequest(model=model)
-        versions = self.on_all(lambda s: s.GetModelInfo(request, timeout=timeout).model_version)
+        versions = self.on_all(
+            lambda m: m.stub.GetModelInfo(request, timeout=timeout).model_version
+        )
         return max(versions) + 1
 
-    def on_all(self, fn: Callable[[pb_grpc.GradientServiceStub], Any]) -> list[Any]:
-        """fn on every replica at once; an error names each replica that failed."""
-        futures = [self._pool.submit(fn, stub) for stub in self._replicas.stubs()]
+    def on_all(self, fn: Callable[[Methods], Any]) -> list[Any]:
+        """fn on every replica's methods at once; an error names each replica that failed."""
+        futures = [self._pool.submit(fn, methods) for methods in self._replicas.methods()]
         results, failures = [], []
         for address, future in zip(self._replicas.addresses, futures, strict=True):
             try:

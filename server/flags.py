@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pergrad.wire.request_parts import MESSAGE_BYTES
+from pergrad.wire.chunked_requests import MESSAGE_BYTES
 
 JIT_CHOICES: dict[str, bool | Literal["auto"]] = {"auto": "auto", "on": True, "off": False}
 # /metrics listens on the gRPC port + METRICS_PORT_OFFSET unless told otherwise: away from

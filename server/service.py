@@ -28,8 +28,8 @@ from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.training import KERAS_VERSION
+from pergrad.server.transport.chunked import whole_request
 from pergrad.server.transport.handlers import kind
-from pergrad.server.transport.parts import whole_request
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -43,7 +43,7 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
-from pergrad.wire.rpc import ONE_REQUEST_IN_PARTS, SERVICE
+from pergrad.wire.rpc import ONE_REQUEST_IN_CHUNKS, SERVICE
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -287,6 +287,6 @@ def add_to_server(
 
 def _streams_requests(method: Any) -> bool:
     """Whether the method's handler takes a stream of requests: a method whose one request
-    may come in parts is registered as taking one, which the guard reads whole
-    (`transport.parts`) and serves request-streaming, as it serves every such method."""
-    return method.client_streaming and method.name not in ONE_REQUEST_IN_PARTS
+    may come in chunks is registered as taking one, which the guard reads whole
+    (`transport.chunked`) and serves request-streaming, as it serves every such method."""
+    return method.client_streaming and method.name not in ONE_REQUEST_IN_CHUNKS

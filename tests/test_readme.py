@@ -19,7 +19,7 @@ from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S
 from pergrad.server.config import AUTO_REQUEST_BYTES, add_arguments
 from pergrad.server.engine.rules import LayerRegistry, default_registry
 from pergrad.wire.catalogue import CATALOGUE
-from pergrad.wire.request_parts import MESSAGE_BYTES
+from pergrad.wire.chunked_requests import MESSAGE_BYTES
 from tests.conftest import ROOT
 from tests.helpers import LOOP_ERROR_FACTOR, RELATIVE_TOLERANCE
 

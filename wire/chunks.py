@@ -1,4 +1,5 @@
-"""GradientsResponse chunk messages encoded and decoded by hand: one copy of the data.
+"""Chunk messages encoded (GradientsResponse's, and a request's in parts) and decoded
+(GradientsResponse's) by hand: one copy of the data.
 
 Building a `GradientsResponse(chunk=TensorChunk(data=...))` in Python copies a 1 MiB
 chunk three times before gRPC sends it, and reading `.chunk.data` on the client copies it
@@ -14,6 +15,8 @@ other message still go through protobuf.
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from google.protobuf.message import Message
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.fields import (
@@ -46,6 +49,15 @@ def _field(number: int, wire_type: int) -> bytes:
 
 def encode_chunk(request_id: int, tensor: int, offset: int, data: memoryview) -> bytes:
     """A serialized GradientsResponse carrying one TensorChunk (fields at default omitted)."""
+    outer = _field(1, VARINT) + encode_varint(request_id) if request_id else b""
+    return encode_chunk_in(3, tensor, offset, data, before=outer)
+
+
+def encode_chunk_in(
+    field: int, tensor: int, offset: int, data: memoryview | bytes, before: bytes = b""
+) -> bytes:
+    """A serialized message whose field number `field` is one TensorChunk, after the
+    encoded fields `before`: a response's chunk, or a request's (`request_parts`)."""
     inner = b""
     if tensor:
         inner += _field(1, VARINT) + encode_varint(tensor)
@@ -53,8 +65,7 @@ def encode_chunk(request_id: int, tensor: int, offset: int, data: memoryview) ->
         inner += _field(2, VARINT) + encode_varint(offset)
     size = len(data)
     head = inner + _field(3, LENGTH_DELIMITED) + encode_varint(size)
-    outer = _field(1, VARINT) + encode_varint(request_id) if request_id else b""
-    outer += _field(3, LENGTH_DELIMITED) + encode_varint(len(head) + size)
+    outer = before + _field(field, LENGTH_DELIMITED) + encode_varint(len(head) + size)
     return b"".join((outer, head, data))
 
 
@@ -93,8 +104,9 @@ def _decode_chunk(buffer: memoryview) -> RawChunk:
     return RawChunk(tensor, offset, data)
 
 
-def serialize(message: pb.GradientsResponse | bytes) -> bytes:
-    """gRPC response serializer that lets pre-encoded messages through."""
+def serialize(message: Message | bytes) -> bytes:
+    """gRPC serializer that lets pre-encoded messages through (a response's chunks, a
+    request's)."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

@@ -1,5 +1,5 @@
 """The service's name and method paths, from the generated descriptor; the methods whose
-one request may come in parts; the services a pergrad server also serves to any caller;
+one request may come in chunks; the services a pergrad server also serves to any caller;
 and the split of a full method path."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ OPEN_SERVICES = frozenset(
 
 
 # Methods that take one request, request-streaming in the proto only so that the request
-# can come in parts (its message, then its chunks: "Requests in parts"): a server admits
+# can come in chunks (its message, then its chunks: "Chunked requests"): a server admits
 # and prices each call as a call of one request.
-ONE_REQUEST_IN_PARTS = frozenset({"ComputePerExampleGradients", "ApplyStep"})
+ONE_REQUEST_IN_CHUNKS = frozenset({"ComputePerExampleGradients", "ApplyStep"})
 
 
 def method_path(name: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pergrad.wire.request_parts import MESSAGE_BYTES
+from pergrad.wire.chunked_requests import MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from pergrad.server.config import Config

@@ -49,6 +49,7 @@ from pergrad.server.admission.refused import RefusedBytes
 from pergrad.server.errors import PergradServerError, ResourceExhausted
 from pergrad.server.status import RefusedRequest, sized
 from pergrad.server.transport.auth import token_key
+from pergrad.server.transport.chunked import whole_request
 from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
 from pergrad.server.transport.handlers import (
     as_request_stream,
@@ -58,7 +59,6 @@ from pergrad.server.transport.handlers import (
     replaced,
 )
 from pergrad.server.transport.open_services import open_parser, refusing
-from pergrad.server.transport.parts import whole_request
 from pergrad.server.transport.stalls import StallTimer, TimedCall
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
@@ -271,7 +271,7 @@ class CallGuard(grpc.ServerInterceptor):
     ) -> Any:
         """A call to the service's one request, its bytes held (`_hold`) from its first
         message, which declares them, to the call's end, and its chunks read then
-        (`parts.whole_request`); a refusal on the way handed to the servicer to answer."""
+        (`chunked.whole_request`); a refusal on the way handed to the servicer to answer."""
         if call is None or not isinstance(first, Message):
             return first  # an open service's, or malformed: its handler refuses it
         hold = functools.partial(self._hold, caller=call.caller, context=context)

@@ -23,7 +23,7 @@ from pergrad.server.admission import calls
 from pergrad.server.admission.pools import Place
 from pergrad.server.status import RefusedRequest, Sized
 from pergrad.server.transport.interceptors import ended_by_client
-from pergrad.wire.request_parts import is_chunk
+from pergrad.wire.chunked_requests import is_chunk
 
 _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
@@ -126,7 +126,7 @@ class TimedCall:
     ) -> Any:
         """The one request of a call to a method that takes one (then the client's end),
         its size on the wire kept on the call's record: `whole` reads the rest of it, if
-        it comes in parts, from the messages after its first."""
+        it comes in chunks, from the messages after its first."""
         requests = self.requests(iterator)
         try:
             request = next(requests, _NOTHING)

@@ -34,7 +34,7 @@ def test_a_client_is_made_before_its_name_resolves_and_its_first_call_says_why()
 
 @pytest.mark.parametrize("method", ["per_example_gradients", "step"])
 def test_calls_in_flight_when_their_server_stops_end_at_once(method: str) -> None:
-    """Request-streaming calls (a request in parts) end when their server goes: under a
+    """Request-streaming calls (a chunked request) end when their server goes: under a
     retry policy gRPC could keep them waiting past their deadline, for ever."""
     from pergrad.server.main import start
     from tests.helpers import batch_for, loopback_config

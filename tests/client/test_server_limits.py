@@ -1,5 +1,5 @@
 """Batches larger than one request may hold (the server's `max_request_bytes` and
-`max_batch`, from `ModelInfo.limits`) are sent in parts and merged, for every call
+`max_batch`, from `ModelInfo.limits`) are sent in chunks and merged, for every call
 that sends a batch: the result is the whole batch's, as the batch-size-1 loop gives it.
 
 The servers here run with limits small enough that the built-in models' batches of a
@@ -19,8 +19,10 @@ from pergrad.client import GradientClient, PergradError
 from pergrad.client._call import REQUEST_OVERHEAD
 from pergrad.server.main import RunningServer, start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
+from pergrad.wire.chunked_requests import MESSAGE_BYTES
 from tests import oracle
 from tests.helpers import assert_close, batch_for, loopback_config
+from tests.prometheus import sample_value, scrape
 
 MODEL = "mnist_mlp"
 # mnist_mlp's example: 784 float32 inputs and an int32 label; 60 fit one request.
@@ -71,7 +73,7 @@ def test_a_batch_over_the_message_limit_matches_the_batch_size_1_loop(limited) -
     assert_close(result.gradients, grads)
 
 
-def test_a_batch_over_max_batch_is_sent_in_parts() -> None:
+def test_a_batch_over_max_batch_is_sent_in_chunks() -> None:
     x, y = batch_for((784,), 10, 30, seed=1)
     with _serving(max_batch=12) as running, _client(running) as client:
         result = client.per_example_gradients(MODEL, x, y, reduction="norms")
@@ -124,7 +126,7 @@ def test_inputs_and_labels_of_different_lengths_are_refused_before_splitting(lim
     assert "one row per label" in err.value.message
 
 
-def test_a_stream_sends_a_batch_over_the_limit_in_parts_and_keeps_the_order(limited) -> None:
+def test_a_stream_sends_a_batch_over_the_limit_in_chunks_and_keeps_the_order(limited) -> None:
     with _client(limited) as client:
         big = _over_the_limit(client, 150)
         small = batch_for((784,), 10, 5, seed=5)
@@ -175,7 +177,7 @@ def _references_over_the_limit(client: GradientClient) -> dict[str, np.ndarray]:
     return reference
 
 
-def test_a_dot_whose_references_fill_a_request_sends_them_in_parts(unlimited) -> None:
+def test_a_dot_whose_references_fill_a_request_sends_them_in_chunks(unlimited) -> None:
     """On the default limit: the rows sent a few at a time, the dots side by side as the
     batch-size-1 loop gives them."""
     x, y = batch_for((784,), 10, 50, seed=4)
@@ -206,3 +208,22 @@ def test_a_stream_of_a_dot_whose_references_fill_a_request_keeps_the_order(unlim
     assert [r.dots.shape for r in results] == [(7, 12), (3, 12)]
     for result, expected in zip(results, alone, strict=True):
         assert_close({"dots": result.dots}, {"dots": expected.dots})
+
+
+def test_a_batch_past_one_message_goes_as_one_request_in_chunks() -> None:
+    """Within --max-request-bytes but past the 4 MiB a message may hold: one call, its
+    inputs in chunks; the sampled examples' norms are the batch-size-1 loop's."""
+    size = MESSAGE_BYTES // EXAMPLE_BYTES + 64
+    x, y = batch_for((784,), 10, size, seed=3)
+    with _serving(max_request_bytes=4 * MESSAGE_BYTES) as running, _client(running) as client:
+        result = client.per_example_gradients(MODEL, x, y, reduction="norms")
+        exposition = scrape(running.metrics_port)
+    method = {
+        "grpc_service": "pergrad.v1.GradientService",
+        "grpc_method": "ComputePerExampleGradients",
+    }
+    assert sample_value(exposition, "grpc_server_handled_total", **method, grpc_code="OK") == 1
+    assert sample_value(exposition, "grpc_server_msg_received_total", **method) > 1
+    sampled = [0, size // 2, size - 1]
+    _, grads = oracle.per_example(BUILTIN_MODELS[MODEL](), LOSS, x[sampled], y[sampled])
+    np.testing.assert_allclose(result.norms[sampled], oracle.per_example_norms(grads), rtol=1e-5)

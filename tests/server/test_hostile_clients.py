@@ -44,8 +44,8 @@ from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_mod
 from pergrad.server.transport import metrics_http
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.chunked_requests import Chunked, in_chunks
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
-from pergrad.wire.request_parts import Parts, in_parts
 from tests.helpers import OPEN_METHODS, batch_for, loopback_config, open_call
 from tests.pauses import Gate, Pause
 from tests.prometheus import sample_value, scrape
@@ -1433,7 +1433,7 @@ def _codes_until_barred(
     running: RunningServer, request: bytes, *chunks: bytes, charged: int = 0
 ) -> list[tuple[grpc.StatusCode, str]]:
     """The codes and messages of the calls a connection of its own sends with `request`
-    (and its `chunks`, if it comes in parts: then `charged` bytes), until one is refused
+    (and its `chunks`, if it comes in chunks: then `charged` bytes), until one is refused
     unread, for as many as would pass the budget and one more."""
     codes = []
     with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
@@ -1490,15 +1490,16 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
         running.stop(0)
 
 
-def test_requests_in_parts_refused_for_what_they_hold_are_charged_their_whole_size() -> None:
-    """Requests of 12 MiB sent in parts, their labels short: each is charged its first
+def test_requests_in_chunks_refused_for_what_they_hold_are_charged_their_whole_size() -> None:
+    """Requests of 12 MiB sent in chunks, their labels short: each is charged its first
     message and the bytes it declares in chunks, so that parts pass no more bytes
     through the budget than one message would."""
     running = _start(max_request_bytes=16 << 20)
     try:
         request = pb.GradientsRequest.FromString(_labels_short(12 << 20))
-        header, *chunks = [m.SerializeToString() for m in in_parts(request)]
-        charged = len(header) + Parts(pb.GradientsRequest.FromString(header)).nbytes
+        first, *chunks = in_chunks(request)
+        header = first.SerializeToString()
+        charged = len(header) + Chunked(pb.GradientsRequest.FromString(header)).nbytes
         codes = _codes_until_barred(running, header, *chunks, charged=charged)
         assert {c for c, _ in codes[:-1]} == {grpc.StatusCode.INVALID_ARGUMENT}
         assert "refused unread" in codes[-1][1]

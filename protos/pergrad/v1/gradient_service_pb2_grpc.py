@@ -112,7 +112,7 @@ class GradientServiceServicer:
         """Per-example losses and gradients of one batch: one GradientsResponse with the
         ResultHeader, then chunks. The result is complete when every byte of every output the
         header lists has arrived; the stream then ends. The call sends one request and its
-        chunks (see "Requests in parts"), then ends its side; another request is
+        chunks (see "Chunked requests"), then ends its side; another request is
         INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -120,8 +120,8 @@ class GradientServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StreamPerExampleGradients(self, request_iterator, context):
-        """Many batches on one call, each request followed by its chunks, if any (see "Requests
-        in parts"). Results come back in request order, each a header followed by
+        """Many batches on one call, each request followed by its chunks, if any (see "Chunked
+        requests"). Results come back in request order, each a header followed by
         its chunks, every part tagged with its request's request_id; results never interleave
         (the next header comes only after the previous result is complete). A failing request
         ends the call with its status; the results before it were complete.

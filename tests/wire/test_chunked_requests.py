@@ -1,5 +1,5 @@
-"""Requests in parts: how a client splits a request (`in_parts`) and a server fills it back
-(`Parts`), by the proto's one numbering of chunked tensors."""
+"""Chunked requests: how a client splits a request (`in_chunks`) and a server fills it back
+(`Chunked`), by the proto's one numbering of chunked tensors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.chunked_requests import Chunked, in_chunks, is_chunk, request_tensors
 from pergrad.wire.codec import CodecError, encode_tensor
-from pergrad.wire.request_parts import Parts, in_parts, is_chunk, request_tensors
 
 KIB = 1 << 10
 
@@ -26,10 +26,17 @@ def _request(inputs: int, labels: int, **references: int) -> pb.GradientsRequest
     return request
 
 
+def _parsed(parts: list) -> list:
+    """The parts as a receiver parses them (chunks come serialized, encoded by hand)."""
+    kind = type(parts[0])
+    return [kind.FromString(p) if isinstance(p, bytes) else p for p in parts]
+
+
 def _filled(parts: list) -> pb.GradientsRequest:
     """The request a receiver makes of the parts."""
-    whole = Parts(parts[0])
-    for message in parts[1:]:
+    header, *chunks = _parsed(parts)
+    whole = Chunked(header)
+    for message in chunks:
         whole.add(message)
     assert whole.complete
     return whole.whole()
@@ -37,21 +44,21 @@ def _filled(parts: list) -> pb.GradientsRequest:
 
 def test_a_request_within_the_inline_bytes_travels_as_one_message() -> None:
     request = _request(100 * KIB, 8 * KIB)
-    assert in_parts(request, inline_bytes=200 * KIB) == [request]
+    assert in_chunks(request, inline_bytes=200 * KIB) == [request]
 
 
 def test_the_largest_tensors_are_chunked_until_the_rest_fit() -> None:
     request = _request(300 * KIB, 8 * KIB, a=200 * KIB, b=50 * KIB)
-    header, *chunks = in_parts(request, inline_bytes=100 * KIB, chunk_bytes=64 * KIB)
+    header, *chunks = _parsed(in_chunks(request, inline_bytes=100 * KIB, chunk_bytes=64 * KIB))
     chunked = [what for what, tensor in request_tensors(header) if tensor.chunked]
     assert chunked == ["inputs", "reference['a']"]
     assert all(is_chunk(c) and len(c.ListFields()) == 1 for c in chunks)
     assert sorted({c.chunk.tensor for c in chunks}) == [0, 1]  # numbered in the proto's order
 
 
-def test_a_request_in_parts_is_filled_back_byte_for_byte() -> None:
+def test_a_request_in_chunks_is_filled_back_byte_for_byte() -> None:
     request = _request(300 * KIB, 200 * KIB, zz=120 * KIB, aa=130 * KIB)
-    parts = in_parts(request, inline_bytes=10 * KIB, chunk_bytes=48 * KIB)
+    parts = in_chunks(request, inline_bytes=10 * KIB, chunk_bytes=48 * KIB)
     assert len(parts) > 4
     assert _filled(parts) == request
 
@@ -60,7 +67,7 @@ def test_splitting_leaves_the_request_unchanged_for_a_retry() -> None:
     request = _request(300 * KIB, 8 * KIB)
     copy = pb.GradientsRequest()
     copy.CopyFrom(request)
-    in_parts(request, inline_bytes=KIB)
+    in_chunks(request, inline_bytes=KIB)
     assert request == copy
 
 
@@ -72,12 +79,12 @@ def test_a_step_numbers_its_batch_tensors_before_its_gradient_sum() -> None:
         "batch.labels",
         "gradient_sum['w']",
     ]
-    assert _filled(in_parts(step, inline_bytes=KIB, chunk_bytes=40 * KIB)) == step
+    assert _filled(in_chunks(step, inline_bytes=KIB, chunk_bytes=40 * KIB)) == step
 
 
 def test_declared_bytes_are_known_before_any_chunk() -> None:
-    header, *_ = in_parts(_request(300 * KIB, 80 * KIB), inline_bytes=KIB)
-    assert Parts(header).nbytes == 300 * KIB + 80 * KIB
+    header, *_ = in_chunks(_request(300 * KIB, 80 * KIB), inline_bytes=KIB)
+    assert Chunked(header).nbytes == 300 * KIB + 80 * KIB
 
 
 def _header(**tensor: object) -> pb.GradientsRequest:
@@ -86,7 +93,7 @@ def _header(**tensor: object) -> pb.GradientsRequest:
 
 def test_a_shape_no_array_could_hold_is_refused_from_the_header() -> None:
     with pytest.raises(CodecError, match="2\\^40"):
-        Parts(_header(dtype=1, shape=[1 << 30, 1 << 30], chunked=True))
+        Chunked(_header(dtype=1, shape=[1 << 30, 1 << 30], chunked=True))
 
 
 @pytest.mark.parametrize(
@@ -103,7 +110,7 @@ def test_a_shape_no_array_could_hold_is_refused_from_the_header() -> None:
 )
 def test_a_first_message_out_of_place_is_refused(message: pb.GradientsRequest, match: str) -> None:
     with pytest.raises(CodecError, match=match):
-        Parts(message)
+        Chunked(message)
 
 
 def _chunk(tensor: int, offset: int, data: bytes, **beside: object) -> pb.GradientsRequest:
@@ -125,7 +132,7 @@ def _chunk(tensor: int, offset: int, data: bytes, **beside: object) -> pb.Gradie
     ],
 )
 def test_a_chunk_out_of_place_or_missing_is_refused(chunks: list, match: str) -> None:
-    parts = Parts(_header(dtype=1, shape=[2], chunked=True))
+    parts = Chunked(_header(dtype=1, shape=[2], chunked=True))
     with pytest.raises(CodecError, match=match):
         for chunk in chunks:
             parts.add(chunk)
@@ -133,5 +140,5 @@ def test_a_chunk_out_of_place_or_missing_is_refused(chunks: list, match: str) ->
 
 
 def test_a_message_of_another_kind_is_whole() -> None:
-    parts = Parts(pb.ListModelsRequest())
+    parts = Chunked(pb.ListModelsRequest())
     assert (parts.nbytes, parts.complete) == (0, True)

@@ -1,4 +1,4 @@
-"""Reading a request sent in parts (gradient_service.proto, "Requests in parts"): its
+"""Reading a request sent in chunks (gradient_service.proto, "Chunked requests"): its
 size (its first message's bytes and its chunked tensors' declared bytes, kept on the
 call's record) checked against --max-request-bytes and handed to `hold` before any
 chunk is read, then its chunks read into place. The guard reads a one-request call's
@@ -12,8 +12,8 @@ from typing import Any
 from pergrad.server.admission import calls
 from pergrad.server.errors import InvalidArgument, RequestTooLarge
 from pergrad.server.status import RefusedRequest
+from pergrad.wire.chunked_requests import Chunked
 from pergrad.wire.codec import CodecError
-from pergrad.wire.request_parts import Parts
 
 
 def whole_request(
@@ -29,22 +29,22 @@ def whole_request(
     another kind); the record then carries the request's size. Raises InvalidArgument
     for a part out of place, RequestTooLarge for a request over the bound."""
     try:
-        parts = Parts(first)
-        call.request_bytes += parts.nbytes
-        if parts.nbytes and call.request_bytes > max_request_bytes:
+        chunked = Chunked(first)
+        call.request_bytes += chunked.nbytes
+        if chunked.nbytes and call.request_bytes > max_request_bytes:
             raise RequestTooLarge(
-                f"a request of {call.request_bytes} bytes ({parts.nbytes} of them in chunks) "
+                f"a request of {call.request_bytes} bytes ({chunked.nbytes} of them in chunks) "
                 f"exceeds --max-request-bytes {max_request_bytes} "
                 "(ModelInfo.limits.max_request_bytes); split the batch"
             )
         hold(call.request_bytes)
-        while not parts.complete:
+        while not chunked.complete:
             message = next(rest, None)
             if message is None:
                 break  # `whole` names the tensor left short
             if isinstance(message, RefusedRequest):
                 raise message.error
-            parts.add(message)
-        return parts.whole()
+            chunked.add(message)
+        return chunked.whole()
     except CodecError as err:
-        raise InvalidArgument(f"{type(first).__name__} in parts: {err}") from None
+        raise InvalidArgument(f"{type(first).__name__} in chunks: {err}") from None

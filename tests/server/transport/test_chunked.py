@@ -1,4 +1,4 @@
-"""Requests in parts against a live server, sent raw as a client of the contract would:
+"""Chunked requests against a live server, sent raw as a client of the contract would:
 answered as the same request in one message, their size refused and held from the first
 message before any chunk is read, their chunks checked and timed."""
 
@@ -14,8 +14,8 @@ from pergrad.server.main import RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.chunked_requests import MESSAGE_BYTES, in_chunks
 from pergrad.wire.messages import gradients_request
-from pergrad.wire.request_parts import MESSAGE_BYTES, in_parts
 from tests.helpers import batch_for, loopback_config
 
 SERVICE = "/pergrad.v1.GradientService/"
@@ -44,11 +44,10 @@ def _norms_request(batch: int, request_id: int = 0) -> pb.GradientsRequest:
 
 def _call(channel: grpc.Channel, method: str, messages: Iterator, timeout: float = 60) -> list:
     """A method's raw responses to these messages (ApplyStep's one reply in a list)."""
+    serialized = (m if isinstance(m, bytes) else m.SerializeToString() for m in messages)
     if method == "ApplyStep":
-        call = channel.stream_unary(SERVICE + method)
-        return [call((m.SerializeToString() for m in messages), timeout=timeout)]
-    call = channel.stream_stream(SERVICE + method)
-    return list(call((m.SerializeToString() for m in messages), timeout=timeout))
+        return [channel.stream_unary(SERVICE + method)(serialized, timeout=timeout)]
+    return list(channel.stream_stream(SERVICE + method)(serialized, timeout=timeout))
 
 
 def _refusal(channel: grpc.Channel, messages: Iterator, method: str = "ComputePerExampleGradients"):
@@ -63,11 +62,11 @@ def _then_silence(messages: list, until: threading.Event) -> Iterator:
     until.wait(30)
 
 
-def test_a_request_in_parts_is_answered_as_the_same_request_in_one_message(
+def test_a_request_in_chunks_is_answered_as_the_same_request_in_one_message(
     channel: grpc.Channel,
 ) -> None:
     request = _norms_request(512)  # 1.6 MB: within one message too
-    parts = in_parts(request, inline_bytes=64 * KIB, chunk_bytes=100 * KIB)
+    parts = in_chunks(request, inline_bytes=64 * KIB, chunk_bytes=100 * KIB)
     assert len(parts) > 10
     method = "ComputePerExampleGradients"
     assert _call(channel, method, iter(parts)) == _call(channel, method, iter([request]))
@@ -75,17 +74,17 @@ def test_a_request_in_parts_is_answered_as_the_same_request_in_one_message(
 
 def test_a_stream_reads_each_request_with_its_chunks(channel: grpc.Channel) -> None:
     large, small = _norms_request(512, request_id=1), _norms_request(3, request_id=2)
-    messages = [*in_parts(large, inline_bytes=KIB), small]
+    messages = [*in_chunks(large, inline_bytes=KIB), small]
     responses = _call(channel, "StreamPerExampleGradients", iter(messages))
     alone = _call(channel, "ComputePerExampleGradients", iter([large]))
     assert responses[: len(alone)] == alone
 
 
-def test_a_step_applies_a_batch_sent_in_parts(channel: grpc.Channel) -> None:
+def test_a_step_applies_a_batch_sent_in_chunks(channel: grpc.Channel) -> None:
     step = pb.StepRequest(model="mnist_mlp", learning_rate=0.1, batch=_norms_request(512))
     step.batch.model = ""
     step.batch.reduction = pb.REDUCTION_MOMENTS
-    (reply,) = _call(channel, "ApplyStep", iter(in_parts(step, inline_bytes=KIB)))
+    (reply,) = _call(channel, "ApplyStep", iter(in_chunks(step, inline_bytes=KIB)))
     assert pb.StepResponse.FromString(reply).losses.shape == [512]
 
 
@@ -97,7 +96,7 @@ def test_one_message_over_the_fixed_bound_is_refused_whatever_the_models(
     assert running.limits.count("request_bytes") > request.ByteSize()
     refused = _refusal(channel, iter([request]))
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    first, *_ = _call(channel, "ComputePerExampleGradients", iter(in_parts(request)))
+    first, *_ = _call(channel, "ComputePerExampleGradients", iter(in_chunks(request)))
     assert pb.GradientsResponse.FromString(first).header.batch_size == 1400
 
 
@@ -161,7 +160,7 @@ def test_a_second_request_on_a_call_taking_one_is_invalid_argument(
     channel: grpc.Channel,
 ) -> None:
     request = _norms_request(4)
-    refused = _refusal(channel, iter([*in_parts(request, inline_bytes=KIB), request]))
+    refused = _refusal(channel, iter([*in_chunks(request, inline_bytes=KIB), request]))
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than one" in refused.details()
 

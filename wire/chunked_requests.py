@@ -1,7 +1,7 @@
-"""Requests in parts (gradient_service.proto): a GradientsRequest or StepRequest whose
+"""Chunked requests (gradient_service.proto): a GradientsRequest or StepRequest whose
 large tensors are marked `chunked` and follow it as messages holding only a chunk. The
 one place that numbers a request's chunked tensors: for the client that splits a request
-(`in_parts`) and the server that fills it back (`Parts`)."""
+(`in_chunks`) and the server that fills it back (`Chunked`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from google.protobuf.message import Message
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.chunks import encode_chunk_in
 from pergrad.wire.codec import (
     DEFAULT_CHUNK_BYTES,
     CodecError,
@@ -26,11 +27,16 @@ from pergrad.wire.text import quoted
 # The most a server takes in one message, whatever the models it serves (gRPC's default).
 MESSAGE_BYTES = 4 << 20
 # What a client keeps inline at most: its largest tensors are chunked until the rest fit,
-# so that a request's first message stays well within MESSAGE_BYTES.
-INLINE_BYTES = 1 << 20
-# The requests that may come in parts; any other message is always whole.
+# leaving a MiB of MESSAGE_BYTES for the request's other fields. One message costs less
+# than chunks (a request of 1.15 MiB: 4.2 ms in one, 5.3 in three messages, split included).
+INLINE_BYTES = 3 << 20
+# The requests that may come in chunks; any other message is always whole.
 _IN_PARTS = (pb.GradientsRequest, pb.StepRequest)
 Request = pb.GradientsRequest | pb.StepRequest
+_CHUNK_FIELD = {
+    pb.GradientsRequest: pb.GradientsRequest.CHUNK_FIELD_NUMBER,
+    pb.StepRequest: pb.StepRequest.CHUNK_FIELD_NUMBER,
+}
 
 
 def _by_name(field: str, tensors: Mapping[str, tensor_pb2.Tensor]) -> list[tuple[str, Any]]:
@@ -60,12 +66,13 @@ def _nbytes(what: str, tensor: tensor_pb2.Tensor) -> int:
     return declared_nbytes(dtype, checked_shape(tensor.shape, what=what))
 
 
-def in_parts(
+def in_chunks(
     message: Request, *, inline_bytes: int = INLINE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> list[Request]:
+) -> list[Request | bytes]:
     """The request as it travels: [message] where its tensors hold `inline_bytes` at most,
-    else a copy with its largest tensors marked `chunked` until the others do, their
-    bytes in chunk messages after it (`message` itself unchanged: a retry sends it again)."""
+    else a copy with its largest tensors marked `chunked` until the others do, then
+    their bytes as serialized chunk messages (`message` itself unchanged: a retry sends
+    it again)."""
     sizes = [_nbytes(what, t) for what, t in request_tensors(message)]
     inline, moved = sum(sizes), set()
     for size, position in sorted(((s, i) for i, s in enumerate(sizes)), reverse=True):
@@ -77,14 +84,15 @@ def in_parts(
         return [message]
     header = copy.deepcopy(message)
     tensors = [t for _, t in request_tensors(header)]
-    chunks = []
+    field = _CHUNK_FIELD[type(message)]
+    chunks: list[Request | bytes] = []
     for index, position in enumerate(sorted(moved)):
         data = memoryview(tensors[position].content)
         tensors[position].content, tensors[position].chunked = b"", True
-        for offset in range(0, len(data), chunk_bytes):
-            piece = data[offset : offset + chunk_bytes].tobytes()
-            chunk = tensor_pb2.TensorChunk(tensor=index, offset=offset, data=piece)
-            chunks.append(type(message)(chunk=chunk))
+        chunks += [
+            encode_chunk_in(field, index, offset, data[offset : offset + chunk_bytes])
+            for offset in range(0, len(data), chunk_bytes)
+        ]
     return [header, *chunks]
 
 
@@ -93,7 +101,7 @@ def is_chunk(message: Any) -> bool:
     return isinstance(message, _IN_PARTS) and message.HasField("chunk")
 
 
-class Parts:
+class Chunked:
     """A request's chunked tensors (`nbytes` of them, as declared), filled from the chunk
     messages that follow it (`add`) until `complete`; `whole` is then the request."""
 
