@@ -5,9 +5,10 @@ for small requests sharing passes (`--max-coalesced-batch 128`, the default wher
 is seen: row 9 attacks the shared passes), and three tokens: the honest client's,
 another writer's (the careless one of rows 10 and 13) and a reader's (`:ro`, every
 other attack that needs a token). For each attack, in the order of the issue's table,
-then the ways in found since (rows 15 to 17; row 18 is a heavy caller, not a hostile
-one; row 0 is no attack: a flood of calls that are answered, the reference for the
-floods of refused ones): the honest probes with the server idle,
+then the ways in found since (rows 15 to 17, and 19 and 20 on chunked requests; row 18
+is a heavy caller, not a hostile one; row 0 is no attack: a flood of calls that are
+answered, the reference for the floods of refused ones): the honest probes with the
+server idle,
 then again while the attack runs in a process of its own (its Python shares nothing
 with the honest client's), then the attack is killed and the server left a moment to
 let go of it. Every round times each probe once:
@@ -58,7 +59,7 @@ from pergrad.client.local import LocalServer
 from pergrad.server.config import AUTO_COALESCED_BATCH
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.chunked_requests import MESSAGE_BYTES
+from pergrad.wire.chunked_requests import MESSAGE_BYTES, in_chunks
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
 
 WRITER, CARELESS_WRITER, READER = "secret", "careless", "reader"
@@ -262,6 +263,42 @@ def requests_at_the_message_limit(target: str, metrics_url: str, stop: threading
     _in_loops(8, _unary(target, SERVICE + "ComputePerExampleGradients", request, READER), stop)
 
 
+def _chunked(target: str, method: str, messages: list[bytes], token: str | None) -> Callable:
+    """One call of a method taking one request, sent as these messages (a chunked
+    request), its responses read and dropped."""
+    channel = grpc.insecure_channel(target)
+    call = channel.stream_stream(method)
+
+    def body() -> None:
+        for _ in call(iter(messages), metadata=_bearer(token), timeout=PROBE_TIMEOUT_S):
+            pass
+
+    return body
+
+
+def chunked_requests_refused_once_read(
+    target: str, metrics_url: str, stop: threading.Event
+) -> None:
+    """8 callers each sending, in chunks, the largest gradients request the server takes
+    (--max-request-bytes), a label short: read whole, then refused."""
+    info = _once_admitted(lambda c: c.model_info("mnist_mlp"), target)
+    x, y = _batch((info.limits.max_request_bytes - 4096) // (784 * 4 + 8))
+    request = pb.GradientsRequest.FromString(_gradients("mnist_mlp", x, y[:-1]))
+    messages = [m if isinstance(m, bytes) else m.SerializeToString() for m in in_chunks(request)]
+    method = SERVICE + "ComputePerExampleGradients"
+    _in_loops(8, _chunked(target, method, messages, READER), stop)
+
+
+def chunked_requests_declaring_a_gib(target: str, metrics_url: str, stop: threading.Event) -> None:
+    """8 callers each sending a first message that declares 1 GiB of inputs in chunks,
+    then none: refused from that message."""
+    x, y = _batch(2)
+    request = pb.GradientsRequest.FromString(_gradients("mnist_mlp", x, y))
+    request.inputs.CopyFrom(tensor_pb2.Tensor(dtype=1, shape=[1 << 18, 1024], chunked=True))
+    method = SERVICE + "ComputePerExampleGradients"
+    _in_loops(8, _chunked(target, method, [request.SerializeToString()], READER), stop)
+
+
 def answered_requests_at_the_message_limit(
     target: str, metrics_url: str, stop: threading.Event
 ) -> None:
@@ -411,6 +448,11 @@ ATTACKS: dict[int, tuple[str, Callable[[str, str, threading.Event], None]]] = {
         "8 callers sending requests at the message limit, answered",
         answered_requests_at_the_message_limit,
     ),
+    19: (
+        "8 callers sending chunked requests at --max-request-bytes, refused once read",
+        chunked_requests_refused_once_read,
+    ),
+    20: ("8 callers declaring 1 GiB in chunks and sending none", chunked_requests_declaring_a_gib),
 }
 
 
