@@ -89,6 +89,7 @@ bench: install
 	$(PY) benchmarks/latency.py
 	$(PY) benchmarks/server_cpu.py
 	$(PY) benchmarks/split.py
+	$(PY) benchmarks/chunked.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
 	$(PY) benchmarks/dp_step.py

@@ -1,0 +1,96 @@
+"""A request in one message against the same request in chunks (issue 43: requests
+travel as results and weights do), on one server, raw calls taking turns; medians.
+
+  one message    the request serialized once, every tensor inline (at most 4 MiB)
+  chunks         the same request as `in_chunks` sends it, split beforehand: what the
+                 server's reading of its chunks costs
+  split + sent   split by `in_chunks` and sent, as the client does (past 3 MiB inline;
+                 here past 1 MiB, so that both sizes go in chunks)
+
+    python benchmarks/chunked.py [--rounds 41] [--batch-sizes 384 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import grpc
+import numpy as np
+
+from pergrad.client.local import LocalServer
+from pergrad.server.engine.cores import one_blas_thread
+from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.catalogue import CATALOGUE
+from pergrad.wire.chunked_requests import in_chunks
+from pergrad.wire.messages import gradients_request
+
+METHOD = "/pergrad.v1.GradientService/ComputePerExampleGradients"
+# Inline at most this, below the client's 3 MiB, so that both sizes go in chunks.
+INLINE_BYTES = 1 << 20
+
+
+def _serialized(messages: list) -> list[bytes]:
+    return [m if isinstance(m, bytes) else m.SerializeToString() for m in messages]
+
+
+def medians(call: Callable, request: pb.GradientsRequest, rounds: int) -> dict[str, float]:
+    """ms of each way of sending `request`, the ways taking turns (a first round warms)."""
+    whole = [request.SerializeToString()]
+    chunks = _serialized(in_chunks(request, inline_bytes=INLINE_BYTES))
+    ways: dict[str, Callable[[], list[bytes]]] = {
+        "one": lambda: whole,
+        "chunks": lambda: chunks,
+        "split": lambda: _serialized(in_chunks(request, inline_bytes=INLINE_BYTES)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for round_ in range(rounds + 1):
+        for name, messages in ways.items():
+            began = time.perf_counter()
+            for _ in call(iter(messages()), timeout=60):
+                pass
+            if round_:
+                times[name].append(time.perf_counter() - began)
+    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return ms | {"mib": len(whole[0]) / 2**20, "messages": len(chunks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[384, 1024])
+    args = parser.parse_args()
+    one_blas_thread()
+    print(
+        "| B (mnist_mlp, norms) | request MiB | messages in chunks | one message ms | chunks ms "
+        "| split + sent ms |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    with (
+        LocalServer("--model", "mnist_mlp", "--jit-compile", "off") as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        call = channel.stream_stream(METHOD)
+        for size in args.batch_sizes:
+            rng = np.random.default_rng(size)
+            x = rng.standard_normal((size, 784)).astype(np.float32)
+            y = rng.integers(0, 10, size).astype(np.int32)
+            norms = CATALOGUE.get("norms")
+            ms = medians(
+                call, gradients_request("mnist_mlp", x, y, reduction=norms, options={}), args.rounds
+            )
+            print(
+                f"| {size} | {ms['mib']:.2f} | {ms['messages']:.0f} | {ms['one']:.2f} | "
+                f"{ms['chunks']:.2f} | {ms['split']:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
