@@ -30,6 +30,9 @@ MESSAGE_BYTES = 4 << 20
 # leaving a MiB of MESSAGE_BYTES for the request's other fields. One message costs less
 # than chunks (a request of 1.15 MiB: 4.2 ms in one, 5.3 in three messages, split included).
 INLINE_BYTES = 3 << 20
+# Each chunk of a request but a tensor's last holds at least this: a client cannot make
+# the server hold a request's declared bytes while it trickles them a byte at a time.
+MIN_CHUNK_BYTES = 64 << 10
 # The requests that may come in chunks; any other message is always whole.
 _IN_PARTS = (pb.GradientsRequest, pb.StepRequest)
 Request = pb.GradientsRequest | pb.StepRequest
@@ -106,28 +109,39 @@ class Chunked:
     messages that follow it (`add`) until `complete`; `whole` is then the request."""
 
     def __init__(self, message: Message) -> None:
-        if is_chunk(message):
+        batch = message.batch if isinstance(message, pb.StepRequest) else None
+        if is_chunk(message) or (batch is not None and batch.HasField("chunk")):
             raise CodecError(f"{type(message).__name__}: a chunk where a request was due")
         self._message = message
         self._chunked = [(w, t) for w, t in request_tensors(message) if t.chunked]
         for what, tensor in self._chunked:
             if tensor.content:
                 raise CodecError(f"{what}: chunked, yet holds {len(tensor.content)} bytes")
-        self.nbytes = sum(_nbytes(what, tensor) for what, tensor in self._chunked)
+        self._sizes = [_nbytes(what, tensor) for what, tensor in self._chunked]
+        self.nbytes = sum(self._sizes)
         self._assembler: TensorAssembler | None = None
 
     @property
     def complete(self) -> bool:
         return self._assembly().complete if self._chunked else True
 
-    def add(self, message: Request) -> None:
-        """One chunk message: only its chunk set, for a tensor still missing bytes."""
+    def add(self, message: Request) -> int:
+        """One chunk message: only its chunk set, for a tensor still missing bytes, of
+        MIN_CHUNK_BYTES at least unless it ends its tensor; the bytes it held."""
         if not message.HasField("chunk") or len(message.ListFields()) != 1:
             raise CodecError(
                 f"{type(message).__name__}: a message holding only `chunk` was due (the "
                 f"request before it declares {self.nbytes} bytes in chunks)"
             )
-        self._assembly().add(message.chunk)
+        chunk = message.chunk
+        data = chunk.data
+        self._assembly().add_raw(chunk.tensor, chunk.offset, data)
+        if len(data) < MIN_CHUNK_BYTES and chunk.offset + len(data) < self._sizes[chunk.tensor]:
+            raise CodecError(
+                f"a chunk of {len(data)} bytes: each chunk but a tensor's last holds "
+                f"{MIN_CHUNK_BYTES} at least"
+            )
+        return len(data)
 
     def whole(self) -> Message:
         """The request, every chunked tensor's bytes in place (refused if any is short)."""

@@ -277,7 +277,12 @@ class CallGuard(grpc.ServerInterceptor):
         hold = functools.partial(self._hold, caller=call.caller, context=context)
         try:
             return whole_request(
-                first, rest, call=call, max_request_bytes=self._max_request_bytes, hold=hold
+                first,
+                rest,
+                call=call,
+                max_request_bytes=self._max_request_bytes,
+                within_s=self._timer.timeout_s,
+                hold=hold,
             )
         except PergradServerError as err:
             return RefusedRequest(err)

@@ -35,7 +35,7 @@ class StallTimer:
     """Calls waiting on their clients, and a thread that cancels those waiting too long."""
 
     def __init__(self, timeout_s: float, on_stall: Callable[[str], None]) -> None:
-        self._timeout_s = timeout_s
+        self.timeout_s = self._timeout_s = timeout_s
         self._on_stall = on_stall
         self._waiting: dict[int, tuple[float, grpc.ServicerContext, str]] = {}
         self._tokens = itertools.count()

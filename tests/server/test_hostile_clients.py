@@ -44,7 +44,7 @@ from pergrad.server.models.registry import ModelRegistry, ServedModel, serve_mod
 from pergrad.server.transport import metrics_http
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.chunked_requests import Chunked, in_chunks
+from pergrad.wire.chunked_requests import in_chunks
 from pergrad.wire.codec import encode_tensor, iter_chunks, tensor_spec
 from tests.helpers import OPEN_METHODS, batch_for, loopback_config, open_call
 from tests.pauses import Gate, Pause
@@ -1490,16 +1490,23 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
         running.stop(0)
 
 
-def test_requests_in_chunks_refused_for_what_they_hold_are_charged_their_whole_size() -> None:
-    """Requests of 12 MiB sent in chunks, their labels short: each is charged its first
-    message and the bytes it declares in chunks, so that parts pass no more bytes
-    through the budget than one message would."""
+@pytest.mark.parametrize("ending", ["whole", "an empty message for its last chunk"])
+def test_requests_in_chunks_refused_for_what_they_hold_are_charged_what_they_sent(
+    ending: str,
+) -> None:
+    """Requests of 12 MiB sent in chunks, refused for what they hold (their labels short,
+    or a message out of place ending them): each is charged its first message and the
+    bytes of the chunks it sent, so that chunks pass no more bytes through the budget
+    than one message would."""
     running = _start(max_request_bytes=16 << 20)
     try:
         request = pb.GradientsRequest.FromString(_labels_short(12 << 20))
         first, *chunks = in_chunks(request)
+        if ending != "whole":
+            chunks[-1] = b""
         header = first.SerializeToString()
-        charged = len(header) + Chunked(pb.GradientsRequest.FromString(header)).nbytes
+        sent = [pb.GradientsRequest.FromString(c).chunk.data for c in chunks]
+        charged = len(header) + sum(len(data) for data in sent)
         codes = _codes_until_barred(running, header, *chunks, charged=charged)
         assert {c for c, _ in codes[:-1]} == {grpc.StatusCode.INVALID_ARGUMENT}
         assert "refused unread" in codes[-1][1]

@@ -5,6 +5,7 @@ message before any chunk is read, their chunks checked and timed."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -14,7 +15,7 @@ from pergrad.server.main import RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import CATALOGUE
-from pergrad.wire.chunked_requests import MESSAGE_BYTES, in_chunks
+from pergrad.wire.chunked_requests import MESSAGE_BYTES, MIN_CHUNK_BYTES, in_chunks
 from pergrad.wire.messages import gradients_request
 from tests.helpers import batch_for, loopback_config
 
@@ -140,18 +141,20 @@ def _chunk(tensor: int, offset: int, data: bytes) -> pb.GradientsRequest:
 
 
 @pytest.mark.parametrize(
-    ("chunks", "named"),
+    ("rows", "chunks", "named"),
     [
-        ([_chunk(0, 4, bytes(8))], "out of order"),
-        ([_chunk(0, 0, bytes(4 * 784 * 2 + 4))], "past"),
-        ([_chunk(3, 0, bytes(8))], "declared"),
-        ([_chunk(0, 0, bytes(8))], "truncated"),
+        (2, [_chunk(0, 4, bytes(8))], "out of order"),
+        (2, [_chunk(0, 0, bytes(4 * 784 * 2 + 4))], "past"),
+        (2, [_chunk(3, 0, bytes(8))], "declared"),
+        (2, [_chunk(0, 0, bytes(8))], "each chunk but a tensor's last holds"),
+        (100, [_chunk(0, 0, bytes(MIN_CHUNK_BYTES))], "truncated"),
+        (100, [_chunk(0, 0, bytes(MIN_CHUNK_BYTES)), pb.GradientsRequest()], "only `chunk`"),
     ],
 )
 def test_a_chunk_out_of_place_or_missing_is_invalid_argument(
-    channel: grpc.Channel, chunks: list, named: str
+    channel: grpc.Channel, rows: int, chunks: list, named: str
 ) -> None:
-    refused = _refusal(channel, iter([_declaring([2, 784]), *chunks]))
+    refused = _refusal(channel, iter([_declaring([rows, 784]), *chunks]))
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in refused.details()
 
@@ -169,7 +172,23 @@ def test_a_request_whose_chunks_stop_coming_is_cancelled_as_stalled(
     channel: grpc.Channel,
 ) -> None:
     ended = threading.Event()
-    first = _chunk(0, 0, bytes(1024))
-    refused = _refusal(channel, _then_silence([_declaring([2, 784]), first], ended))
+    first = _chunk(0, 0, bytes(MIN_CHUNK_BYTES))
+    refused = _refusal(channel, _then_silence([_declaring([100, 784]), first], ended))
     ended.set()
     assert refused.code() == grpc.StatusCode.CANCELLED
+
+
+def test_a_request_whose_chunks_trickle_past_the_stall_timeout_is_cancelled(
+    channel: grpc.Channel,
+) -> None:
+    """Each chunk in time, but the whole request not: its held bytes are let go."""
+
+    def trickled() -> Iterator:
+        yield _declaring([100, 784])
+        for index in range(4):
+            time.sleep(0.9)
+            yield _chunk(0, index * MIN_CHUNK_BYTES, bytes(MIN_CHUNK_BYTES))
+
+    refused = _refusal(channel, trickled())
+    assert refused.code() == grpc.StatusCode.CANCELLED
+    assert "--stall-timeout" in refused.details()
