@@ -180,6 +180,7 @@ def _call_guard(
         max_watch_streams=limits.count("watch_streams"),
         tokens=config.auth_token_file is not None,
         max_request_bytes=limits.count("request_bytes"),
+        max_batch=limits.count("batch"),
         admission=admission,
         on_stall=metrics.call_stalled,
         on_refused_unread=metrics.call_refused_unread,

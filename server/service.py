@@ -201,6 +201,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                     request_iterator,
                     call=calls.of(context),
                     max_request_bytes=self._max_request_bytes,
+                    max_batch=self._settings.max_batch,
                 )
                 messages = self._gradients(request, context)
                 yield from tracked(self.metrics, request, messages, context)

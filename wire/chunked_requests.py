@@ -33,6 +33,8 @@ INLINE_BYTES = 3 << 20
 # Each chunk of a request but a tensor's last holds at least this: a client cannot make
 # the server hold a request's declared bytes while it trickles them a byte at a time.
 MIN_CHUNK_BYTES = 64 << 10
+# The fields of a request whose tensors hold examples (their first dimension the batch).
+_EXAMPLES = ("inputs", "named_inputs", "labels")
 # The requests that may come in chunks; any other message is always whole.
 _IN_PARTS = (pb.GradientsRequest, pb.StepRequest)
 Request = pb.GradientsRequest | pb.StepRequest
@@ -120,6 +122,15 @@ class Chunked:
         self._sizes = [_nbytes(what, tensor) for what, tensor in self._chunked]
         self.nbytes = sum(self._sizes)
         self._assembler: TensorAssembler | None = None
+
+    def batches(self) -> list[tuple[str, int]]:
+        """The batch each chunked tensor of examples declares (inputs and labels; not a
+        `dot`'s references nor a step's gradient sum)."""
+        return [
+            (what, int(tensor.shape[0]))
+            for what, tensor in self._chunked
+            if tensor.shape and what.removeprefix("batch.").startswith(_EXAMPLES)
+        ]
 
     @property
     def complete(self) -> bool:

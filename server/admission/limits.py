@@ -140,7 +140,8 @@ LIMITS: tuple[Limit, ...] = (
         "--max-batch",
         "none",
         "one request",
-        "refuse, from its bytes before it is parsed",
+        "refuse: a message of 1 MiB or more from its bytes before it is parsed, a chunked "
+        "request from its first message",
         _EXHAUSTED,
     ),
     Limit(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pergrad.server.admission import calls
+from pergrad.server.admission.unparsed import over_max_batch
 from pergrad.server.errors import Cancelled, InvalidArgument, PergradServerError, RequestTooLarge
 from pergrad.server.status import RefusedRequest
 from pergrad.wire.chunked_requests import Chunked
@@ -23,6 +24,7 @@ def whole_request(
     *,
     call: calls.Call,
     max_request_bytes: int,
+    max_batch: int,
     within_s: float = float("inf"),
     hold: Callable[[int], None] = lambda nbytes: None,
 ) -> Any:
@@ -31,7 +33,8 @@ def whole_request(
     another kind), all within `within_s` of it; the record then carries the request's
     size, or, refused, the bytes received (what a refusal for content is charged).
     Raises InvalidArgument for a chunk out of place, RequestTooLarge for a request over
-    the bound, Cancelled for chunks too slow."""
+    the bound or declaring a batch over --max-batch (both from its first message),
+    Cancelled for chunks too slow."""
     received = call.request_bytes
     try:
         chunked = Chunked(first)
@@ -42,6 +45,9 @@ def whole_request(
                 f"--max-request-bytes {max_request_bytes} "
                 "(ModelInfo.limits.max_request_bytes); split the batch"
             )
+        over = [(what, batch) for what, batch in chunked.batches() if batch > max_batch]
+        if over:
+            raise over_max_batch(*over[0], max_batch)
         hold(total)
         began = time.monotonic()
         while not chunked.complete:

@@ -75,6 +75,7 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_streams: int,
         max_watch_streams: int,
         max_request_bytes: int,
+        max_batch: int,
         tokens: bool = False,
         admission: Admission | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
@@ -83,7 +84,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._timer = StallTimer(stall_timeout_s, on_stall)
         self._on_refused_unread = on_refused_unread
         self._admission = admission
-        self._max_request_bytes = max_request_bytes
+        self._max_request_bytes, self._max_batch = max_request_bytes, max_batch
         self._refused = RefusedBytes()
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
@@ -281,6 +282,7 @@ class CallGuard(grpc.ServerInterceptor):
                 rest,
                 call=call,
                 max_request_bytes=self._max_request_bytes,
+                max_batch=self._max_batch,
                 within_s=self._timer.timeout_s,
                 hold=hold,
             )

@@ -142,3 +142,13 @@ def test_a_chunk_out_of_place_or_missing_is_refused(chunks: list, match: str) ->
 def test_a_message_of_another_kind_is_whole() -> None:
     parts = Chunked(pb.ListModelsRequest())
     assert (parts.nbytes, parts.complete) == (0, True)
+
+
+def test_the_batches_declared_in_chunks_are_the_example_tensors() -> None:
+    step = pb.StepRequest(model="m", batch=_request(300 * KIB, 160 * KIB))
+    step.gradient_sum["w"].CopyFrom(encode_tensor(np.ones((40, 1024), np.float32)))
+    header, *_ = _parsed(in_chunks(step, inline_bytes=KIB))
+    assert Chunked(header).batches() == [
+        ("batch.inputs", 300 * KIB // 4),
+        ("batch.labels", 160 * KIB // 8),
+    ]

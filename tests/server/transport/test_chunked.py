@@ -126,12 +126,25 @@ def test_a_request_is_held_from_its_first_message() -> None:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as opened:
             ended = threading.Event()
-            refused = _refusal(opened, _then_silence([_declaring([1 << 14, 784])], ended))
+            refused = _refusal(opened, _then_silence([_declaring([4096, 4096])], ended))
             ended.set()
     finally:
         server.stop(0)
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-inflight-bytes" in refused.details()
+
+
+def test_a_request_declaring_a_batch_over_max_batch_is_refused_before_any_chunk() -> None:
+    server = start(loopback_config("mnist_mlp", max_request_bytes=1 << 25, max_batch=4096))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as opened:
+            ended = threading.Event()
+            refused = _refusal(opened, _then_silence([_declaring([5000, 784])], ended))
+            ended.set()
+    finally:
+        server.stop(0)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "inputs: batch of 5000 exceeds --max-batch 4096" in refused.details()
 
 
 def _chunk(tensor: int, offset: int, data: bytes) -> pb.GradientsRequest:
