@@ -118,31 +118,30 @@ def test_a_request_declaring_more_than_max_request_bytes_is_refused_before_any_c
     assert "--max-request-bytes" in refused.details()
 
 
-def test_a_request_is_held_from_its_first_message() -> None:
-    """Declared bytes past what calls may hold at once are refused before any chunk."""
-    server = start(
-        loopback_config("mnist_mlp", max_request_bytes=1 << 30, max_inflight_bytes=1 << 24)
-    )
+def _first_message_refused(shape: list[int], **settings: object) -> grpc.RpcError:
+    """The refusal of a first message declaring float32 inputs of `shape`, its stream
+    left open, by a server of its own with these settings."""
+    server = start(loopback_config("mnist_mlp", **settings))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as opened:
             ended = threading.Event()
-            refused = _refusal(opened, _then_silence([_declaring([4096, 4096])], ended))
+            refused = _refusal(opened, _then_silence([_declaring(shape)], ended))
             ended.set()
     finally:
         server.stop(0)
+    return refused
+
+
+def test_a_request_is_held_from_its_first_message() -> None:
+    """Declared bytes past what calls may hold at once are refused before any chunk."""
+    settings = {"max_request_bytes": 1 << 30, "max_inflight_bytes": 1 << 24}
+    refused = _first_message_refused([4096, 4096], **settings)
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-inflight-bytes" in refused.details()
 
 
 def test_a_request_declaring_a_batch_over_max_batch_is_refused_before_any_chunk() -> None:
-    server = start(loopback_config("mnist_mlp", max_request_bytes=1 << 25, max_batch=4096))
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as opened:
-            ended = threading.Event()
-            refused = _refusal(opened, _then_silence([_declaring([5000, 784])], ended))
-            ended.set()
-    finally:
-        server.stop(0)
+    refused = _first_message_refused([5000, 784], max_request_bytes=1 << 25, max_batch=4096)
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "inputs: batch of 5000 exceeds --max-batch 4096" in refused.details()
 
