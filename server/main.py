@@ -24,6 +24,7 @@ from pergrad.server.sharing import Coalescers
 from pergrad.server.status import Refusal
 from pergrad.server.training import make_optimizer
 from pergrad.server.transport.auth import TokenAuthInterceptor, load_tokens
+from pergrad.server.transport.chunked import RequestBounds
 from pergrad.server.transport.guard import CallGuard
 from pergrad.server.transport.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.transport.health import SERVING, HealthService
@@ -179,8 +180,9 @@ def _call_guard(
         max_open_streams=limits.count("open_streams"),
         max_watch_streams=limits.count("watch_streams"),
         tokens=config.auth_token_file is not None,
-        max_request_bytes=limits.count("request_bytes"),
-        max_batch=limits.count("batch"),
+        request_bounds=RequestBounds(
+            limits.count("request_bytes"), limits.count("batch"), limits["stall_s"]
+        ),
         admission=admission,
         on_stall=metrics.call_stalled,
         on_refused_unread=metrics.call_refused_unread,

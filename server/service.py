@@ -28,7 +28,7 @@ from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.training import KERAS_VERSION
-from pergrad.server.transport.chunked import whole_request
+from pergrad.server.transport.chunked import RequestBounds, whole_request
 from pergrad.server.transport.handlers import kind
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -78,6 +78,9 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             config.max_batch, config.chunk_bytes, config.replica_name, config.max_coalesced_batch
         )
         self._max_request_bytes = request_bytes_limit(config, registry)
+        self._bounds = RequestBounds(
+            self._max_request_bytes, config.max_batch, config.stall_timeout_s
+        )
 
     @status
     def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -200,8 +203,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                     request,
                     request_iterator,
                     call=calls.of(context),
-                    max_request_bytes=self._max_request_bytes,
-                    max_batch=self._settings.max_batch,
+                    bounds=self._bounds,
                 )
                 messages = self._gradients(request, context)
                 yield from tracked(self.metrics, request, messages, context)

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pergrad.server.admission import calls
 from pergrad.server.admission.unparsed import over_max_batch
-from pergrad.server.errors import Cancelled, InvalidArgument, PergradServerError, RequestTooLarge
+from pergrad.server.errors import Cancelled, InvalidArgument, RequestTooLarge
 from pergrad.server.status import RefusedRequest
 from pergrad.wire.chunked_requests import Chunked
 from pergrad.wire.codec import CodecError
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What a request in chunks is held to from its first message: its bytes, its batch,
+    and the seconds its chunks may take (the stall timeout)."""
+
+    max_request_bytes: int
+    max_batch: int
+    within_s: float
 
 
 def whole_request(
@@ -23,50 +34,46 @@ def whole_request(
     rest: Iterator[Any],
     *,
     call: calls.Call,
-    max_request_bytes: int,
-    max_batch: int,
-    within_s: float = float("inf"),
+    bounds: RequestBounds,
     hold: Callable[[int], None] = lambda nbytes: None,
 ) -> Any:
     """The request `first` begins (its message's bytes on `call`'s record), its chunks
     read from `rest` (none for a request whose tensors are all inline, or a message of
-    another kind), all within `within_s` of it; the record then carries the request's
-    size, or, refused, the bytes received (what a refusal for content is charged).
-    Raises InvalidArgument for a chunk out of place, RequestTooLarge for a request over
-    the bound or declaring a batch over --max-batch (both from its first message),
-    Cancelled for chunks too slow."""
+    another kind); the record then carries the bytes received, the request's size when
+    it is whole (what a refusal for content is charged). Raises InvalidArgument for a
+    chunk out of place, RequestTooLarge for a request over a bound (from its first
+    message), Cancelled for chunks too slow."""
     received = call.request_bytes
     try:
-        chunked = Chunked(first)
-        total = received + chunked.nbytes
-        if chunked.nbytes and total > max_request_bytes:
-            raise RequestTooLarge(
-                f"a request of {total} bytes ({chunked.nbytes} of them in chunks) exceeds "
-                f"--max-request-bytes {max_request_bytes} "
-                "(ModelInfo.limits.max_request_bytes); split the batch"
-            )
-        over = [(what, batch) for what, batch in chunked.batches() if batch > max_batch]
-        if over:
-            raise over_max_batch(*over[0], max_batch)
-        hold(total)
+        chunked = _within_bounds(Chunked(first), received, bounds)
+        hold(received + chunked.nbytes)
         began = time.monotonic()
-        while not chunked.complete:
-            message = next(rest, None)
-            if message is None:
-                break  # `whole` names the tensor left short
+        while not chunked.complete and (message := next(rest, None)) is not None:
             if isinstance(message, RefusedRequest):
                 raise message.error
             received += chunked.add(message)
-            if time.monotonic() - began > within_s:
+            if time.monotonic() - began > bounds.within_s:
                 raise Cancelled(
-                    f"the request's chunks took over {within_s:g} s (--stall-timeout) after "
-                    "its first message: send them at once"
+                    f"the request's chunks took over {bounds.within_s:g} s (--stall-timeout) "
+                    "after its first message: send them at once"
                 )
-        call.request_bytes = total
-        return chunked.whole()
+        return chunked.whole()  # names the tensor left short, if the stream ended early
     except CodecError as err:
-        call.request_bytes = received
         raise InvalidArgument(f"{type(first).__name__} in chunks: {err}") from None
-    except PergradServerError:
-        call.request_bytes = received  # what a refusal for content is charged
-        raise
+    finally:
+        call.request_bytes = received
+
+
+def _within_bounds(chunked: Chunked, first_bytes: int, bounds: RequestBounds) -> Chunked:
+    """`chunked`, refused if what its first message declares passes a bound."""
+    total = first_bytes + chunked.nbytes
+    if chunked.nbytes and total > bounds.max_request_bytes:
+        raise RequestTooLarge(
+            f"a request of {total} bytes ({chunked.nbytes} of them in chunks) exceeds "
+            f"--max-request-bytes {bounds.max_request_bytes} "
+            "(ModelInfo.limits.max_request_bytes); split the batch"
+        )
+    over = [(what, batch) for what, batch in chunked.batches() if batch > bounds.max_batch]
+    if over:
+        raise over_max_batch(*over[0], bounds.max_batch)
+    return chunked

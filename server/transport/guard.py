@@ -49,7 +49,7 @@ from pergrad.server.admission.refused import RefusedBytes
 from pergrad.server.errors import PergradServerError, ResourceExhausted
 from pergrad.server.status import RefusedRequest, sized
 from pergrad.server.transport.auth import token_key
-from pergrad.server.transport.chunked import whole_request
+from pergrad.server.transport.chunked import RequestBounds, whole_request
 from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
 from pergrad.server.transport.handlers import (
     as_request_stream,
@@ -74,8 +74,7 @@ class CallGuard(grpc.ServerInterceptor):
         max_open_calls: int,
         max_open_streams: int,
         max_watch_streams: int,
-        max_request_bytes: int,
-        max_batch: int,
+        request_bounds: RequestBounds,
         tokens: bool = False,
         admission: Admission | None = None,
         on_stall: Callable[[str], None] = lambda method: None,
@@ -84,7 +83,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._timer = StallTimer(stall_timeout_s, on_stall)
         self._on_refused_unread = on_refused_unread
         self._admission = admission
-        self._max_request_bytes, self._max_batch = max_request_bytes, max_batch
+        self._bounds = request_bounds
         self._refused = RefusedBytes()
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
@@ -277,15 +276,7 @@ class CallGuard(grpc.ServerInterceptor):
             return first  # an open service's, or malformed: its handler refuses it
         hold = functools.partial(self._hold, caller=call.caller, context=context)
         try:
-            return whole_request(
-                first,
-                rest,
-                call=call,
-                max_request_bytes=self._max_request_bytes,
-                max_batch=self._max_batch,
-                within_s=self._timer.timeout_s,
-                hold=hold,
-            )
+            return whole_request(first, rest, call=call, bounds=self._bounds, hold=hold)
         except PergradServerError as err:
             return RefusedRequest(err)
 

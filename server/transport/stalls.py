@@ -23,7 +23,6 @@ from pergrad.server.admission import calls
 from pergrad.server.admission.pools import Place
 from pergrad.server.status import RefusedRequest, Sized
 from pergrad.server.transport.interceptors import ended_by_client
-from pergrad.wire.chunked_requests import is_chunk
 
 _LOGGER = logging.getLogger(__name__)
 _NOTHING = object()
@@ -35,7 +34,7 @@ class StallTimer:
     """Calls waiting on their clients, and a thread that cancels those waiting too long."""
 
     def __init__(self, timeout_s: float, on_stall: Callable[[str], None]) -> None:
-        self.timeout_s = self._timeout_s = timeout_s
+        self._timeout_s = timeout_s
         self._on_stall = on_stall
         self._waiting: dict[int, tuple[float, grpc.ServicerContext, str]] = {}
         self._tokens = itertools.count()
@@ -99,7 +98,7 @@ class TimedCall:
                 return
             if isinstance(item, Sized):
                 item, nbytes = item
-                if self.call is not None and not is_chunk(item):
+                if self.call is not None:
                     self.call.request_bytes = nbytes
             if self.waiting is not None and isinstance(item, RefusedRequest):
                 error = item.error
