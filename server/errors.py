@@ -31,6 +31,14 @@ class RequestTooLarge(ResourceExhausted):
     hold): refused for what it holds, as an INVALID_ARGUMENT one is."""
 
 
+def over_max_batch(what: str, batch: int, max_batch: int) -> RequestTooLarge:
+    """The refusal of a batch over --max-batch (`what`: the tensor that holds it)."""
+    return RequestTooLarge(
+        f"{what}: batch of {batch} exceeds --max-batch {max_batch} "
+        "(ModelInfo.limits.max_batch); split it"
+    )
+
+
 class Cancelled(PergradServerError):
     """The caller went away (cancelled, or past its deadline); the work stopped."""
 

@@ -16,15 +16,11 @@ from functools import partial
 import numpy as np
 
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.admission.unparsed import over_max_batch
 from pergrad.server.coalescer import Coalescer
 from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
 from pergrad.server.engine.sinks import Sink
-from pergrad.server.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-)
+from pergrad.server.errors import FailedPrecondition, InvalidArgument, over_max_batch
 from pergrad.server.memory import in_flight
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched

@@ -14,7 +14,6 @@ from pergrad.server.admission import calls
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.unparsed import (
     OversizedHeader,
-    naming_request,
     request_bytes_limit,
     variable_specs,
 )
@@ -207,8 +206,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 )
                 messages = self._gradients(request, context)
                 yield from tracked(self.metrics, request, messages, context)
-            except PergradServerError as err:
-                raise naming_request(err, request.request_id) from err
+            except PergradServerError as err:  # the request named by its id
+                raise type(err)(f"request {request.request_id}: {err}") from err
 
     @status
     def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:

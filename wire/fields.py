@@ -88,12 +88,6 @@ def _field(data: bytes | memoryview, at: int) -> Field:
     return Field(key >> 3, wire_type, value, start, at)
 
 
-def int64(value: int) -> int:
-    """A varint read as protobuf's int64: its low 64 bits, two's complement."""
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >> 63 else value
-
-
 class Reader:
     """One message's bytes, read field by field, MAX_SCANNED fields in all however the
     reading nests (Unreadable past them), so no layout of small fields makes the
@@ -125,27 +119,6 @@ class Reader:
         merges the parts of a message field sent more than once)."""
         found = self.fields(start, end)
         return [f for f in found if f.number == number and f.wire_type == LENGTH_DELIMITED]
-
-    def first_element(self, number: int, start: int = 0, end: int | None = None) -> int | None:
-        """The first element of repeated int64 field `number` of the message in
-        data[start:end], packed or not (None when it has none): a tensor's batch size."""
-        for field in self.fields(start, end):
-            if field.number != number:
-                continue
-            if field.wire_type == VARINT:
-                return int64(field.value)
-            if field.wire_type == LENGTH_DELIMITED and field.value:
-                return int64(self._varint_within(field.start, field.end))
-        return None
-
-    def _varint_within(self, at: int, end: int) -> int:
-        try:
-            value, after = _varint(self.data, at)
-        except (IndexError, ValueError) as err:
-            raise Unreadable("a packed field's bytes end mid-varint") from err
-        if after > end:
-            raise Unreadable("a packed field's bytes end mid-varint")
-        return value
 
 
 def field_bytes(data: bytes, number: int) -> int:

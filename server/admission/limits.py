@@ -140,8 +140,8 @@ LIMITS: tuple[Limit, ...] = (
         "--max-batch",
         "none",
         "one request",
-        "refuse: a message of 1 MiB or more from its bytes before it is parsed, a chunked "
-        "request from its first message",
+        "refuse: a message once parsed, before its tensors are decoded; a chunked request "
+        "from its first message",
         _EXHAUSTED,
     ),
     Limit(

@@ -1,9 +1,10 @@
 """Refusals read from a request's bytes before it is parsed, per method: a message that
 holds more fields than any request to a served model could, a SetWeights header larger
-than a served model's, a large gradients request (or a step's batch) declaring more
-examples than --max-batch. Parsing holds the GIL every other call waits for (upb parsed a
-57 MiB request in 50-120 ms), so these are read from the bytes first; and the message
-limit gRPC enforces before Python copies anything (`request_bytes_limit`)."""
+than a served model's. Parsing a message of many small fields holds the GIL every other
+call waits for (upb: ~1 us a field), so these are read from the bytes first; a message of
+a few large fields (tensors) parses at memory speed and is checked once parsed (a message
+is 4 MiB at most: MESSAGE_BYTES). And --max-request-bytes resolved for the served models
+(`request_bytes_limit`)."""
 
 from __future__ import annotations
 
@@ -13,26 +14,14 @@ from functools import partial
 import numpy as np
 
 from pergrad.server.config import Config
-from pergrad.server.errors import InvalidArgument, PergradServerError, RequestTooLarge
+from pergrad.server.errors import InvalidArgument, PergradServerError
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import Refusal
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import wire_dtype
-from pergrad.wire.declared import (
-    declared_batches,
-    declared_model,
-    declared_request_id,
-    first_nested_string,
-    holds_over,
-)
-from pergrad.wire.fields import Unreadable, field_bytes
-
-# Gradients requests this large or larger have their batch read from their bytes before
-# they are parsed: upb parsed a 57 MiB request in 50-120 ms, but a small one in 1-30 us,
-# against 16 us to read a plain request's fields and 244 us for a `dot` of 214
-# references (one Python step per field).
-READ_UNPARSED_FROM = 1 << 20
+from pergrad.wire.declared import declared_model, first_nested_string, holds_over
+from pergrad.wire.fields import field_bytes
 
 
 def variable_specs(served: ServedModel) -> list[tensor_pb2.TensorSpec]:
@@ -113,11 +102,9 @@ class Unparsed:
     def __init__(
         self,
         registry: ModelRegistry,
-        config: Config,
         on_failed_update: Callable[[str], None] = lambda model: None,
     ) -> None:
         self._registry = registry
-        self._max_batch = config.max_batch
         self._on_failed_update = on_failed_update
         self._header_bound = _header_bound(registry)
         self._fields_needed = _fields_needed(registry)
@@ -125,26 +112,15 @@ class Unparsed:
         self._field_bound = 2 * self._fields_needed + 64
 
     def by_method(self) -> dict[str, Refusal]:
-        """Per method, what refuses a request from its bytes before it is parsed (a
-        gradients request's batch only where the request is large)."""
-        max_batch = self._max_batch
-        step_batch = pb.StepRequest.BATCH_FIELD_NUMBER
+        """Per method, what refuses a request from its bytes before it is parsed."""
         many = self._too_many_fields
+        step_batch = pb.StepRequest.BATCH_FIELD_NUMBER
         return {
             "SetWeights": self.oversized_header,
-            "ComputePerExampleGradients": _first(
-                partial(many, "GradientsRequest"),
-                _if_large(partial(oversized_batch, max_batch=max_batch)),
-            ),
-            "StreamPerExampleGradients": _first(
-                partial(many, "GradientsRequest"),
-                _if_large(partial(_oversized_streamed_batch, max_batch=max_batch)),
-            ),
+            "ComputePerExampleGradients": partial(many, "GradientsRequest"),
+            "StreamPerExampleGradients": partial(many, "GradientsRequest"),
             "ApplyStep": self._counted_as_failed_step(
-                _first(
-                    partial(many, "StepRequest (or its batch)", in_field=step_batch),
-                    _if_large(partial(oversized_batch, max_batch=max_batch, in_field=step_batch)),
-                )
+                partial(many, "StepRequest (or its batch)", in_field=step_batch)
             ),
         }
 
@@ -192,50 +168,3 @@ class Unparsed:
             return error
 
         return refuse_counted
-
-
-def _first(*refusals: Refusal) -> Refusal:
-    """The first of `refusals` that refuses the bytes, in order."""
-
-    def refuse(data: bytes) -> PergradServerError | None:
-        return next((e for r in refusals if (e := r(data)) is not None), None)
-
-    return refuse
-
-
-def _if_large(refuse: Refusal) -> Refusal:
-    """`refuse` for requests of READ_UNPARSED_FROM bytes or more; smaller ones cost less
-    to parse than to read field by field in Python."""
-    return lambda data: refuse(data) if len(data) >= READ_UNPARSED_FROM else None
-
-
-def naming_request(error: PergradServerError, request_id: int) -> PergradServerError:
-    """An error of one request of a stream, naming the request by its id."""
-    return type(error)(f"request {request_id}: {error}")
-
-
-def _oversized_streamed_batch(data: bytes, max_batch: int) -> PergradServerError | None:
-    error = oversized_batch(data, max_batch)
-    if error is None:
-        return None
-    return naming_request(error, declared_request_id(data))
-
-
-def over_max_batch(what: str, batch: int, max_batch: int) -> RequestTooLarge:
-    """The refusal of a batch over --max-batch (`what`: the tensor that holds it)."""
-    return RequestTooLarge(
-        f"{what}: batch of {batch} exceeds --max-batch {max_batch} "
-        "(ModelInfo.limits.max_batch); split it"
-    )
-
-
-def oversized_batch(data: bytes, max_batch: int, *, in_field: int = 0) -> RequestTooLarge | None:
-    """The refusal of a gradients request (or, with `in_field`, of the one in this field
-    of a message) whose bytes declare a batch over --max-batch, found before it is
-    parsed; None where they declare none, or cannot be read but by parsing."""
-    try:
-        batches = list(declared_batches(data, in_field))
-    except Unreadable:
-        return None
-    over = [(what, batch) for what, batch in batches if batch > max_batch]
-    return over_max_batch(*over[0], max_batch) if over else None

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pergrad.server.admission import calls
-from pergrad.server.admission.unparsed import over_max_batch
-from pergrad.server.errors import Cancelled, InvalidArgument, RequestTooLarge
+from pergrad.server.errors import Cancelled, InvalidArgument, RequestTooLarge, over_max_batch
 from pergrad.server.status import RefusedRequest
 from pergrad.wire.chunked_requests import Chunked
 from pergrad.wire.codec import CodecError

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.admission.unparsed import READ_UNPARSED_FROM
 from pergrad.server.main import RunningServer
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
@@ -207,21 +206,26 @@ def test_failed_set_weights_is_counted_and_keeps_the_version(
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
 
 
-def test_a_step_refused_before_parsing_is_counted_as_a_failed_update(
+def test_a_step_over_max_batch_is_counted_as_a_failed_update(
     fresh_server: RunningServer,
 ) -> None:
-    """A step whose batch is over --max-batch is refused from its bytes, before any
-    handler runs, and still counts for the model it names (not for one it does not)."""
+    """A step whose batch is over --max-batch is refused before its tensors are decoded,
+    and counts for the model it names (a step naming no served model counts for none)."""
     batch = pb.GradientsRequest(
-        inputs=tensor_pb2.Tensor(dtype=1, shape=[5000, 784], content=bytes(READ_UNPARSED_FROM))
+        inputs=tensor_pb2.Tensor(dtype=1, shape=[5000, 784], content=bytes(1 << 20)),
+        labels=tensor_pb2.Tensor(dtype=5, shape=[5000], content=bytes(20000)),
     )
+    refused = [
+        ("mnist_mlp", grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("no_such_model", grpc.StatusCode.NOT_FOUND),
+    ]
     with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
         step = channel.unary_unary(f"/{SERVICE}/ApplyStep")
-        for model in ("mnist_mlp", "no_such_model"):
-            request = pb.StepRequest(model=model, batch=batch).SerializeToString()
+        for model, code in refused:
+            request = pb.StepRequest(model=model, batch=batch, learning_rate=0.1)
             with pytest.raises(grpc.RpcError) as err:
-                step(request, timeout=30)
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                step(request.SerializeToString(), timeout=30)
+            assert err.value.code() == code
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="no_such_model") == 0
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1

@@ -1,7 +1,5 @@
-"""A gradients request's batch sizes read from its bytes (`declared_batches`) against what
-protobuf parses from the same bytes, the source of truth: on every message protobuf
-parses, the reading gives each tensor's first dimension as the parsed request has it, or
-says it cannot read them (Unreadable), never something else."""
+"""What a request's bytes declare (`wire.declared`) against what protobuf parses from the
+same bytes, the source of truth: the fields a message holds, the model it names."""
 
 from __future__ import annotations
 
@@ -11,18 +9,10 @@ from hypothesis import strategies as st
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.declared import (
-    declared_batches,
-    declared_model,
-    declared_request_id,
-    first_nested_string,
-    holds_over,
-)
-from pergrad.wire.fields import MAX_SCANNED, Unreadable, encode_varint
-from pergrad.wire.text import quoted
+from pergrad.wire.declared import declared_model, first_nested_string, holds_over
+from pergrad.wire.fields import MAX_SCANNED, encode_varint
 
 INPUTS = pb.GradientsRequest.INPUTS_FIELD_NUMBER
-LABELS = pb.GradientsRequest.LABELS_FIELD_NUMBER
 NAMED = pb.GradientsRequest.NAMED_INPUTS_FIELD_NUMBER
 REQUEST_ID = pb.GradientsRequest.REQUEST_ID_FIELD_NUMBER
 SHAPE = tensor_pb2.Tensor.SHAPE_FIELD_NUMBER
@@ -34,21 +24,6 @@ def _key(number: int, wire_type: int) -> bytes:
 
 def _delimited(number: int, body: bytes) -> bytes:
     return _key(number, 2) + encode_varint(len(body)) + body
-
-
-def _parsed(data: bytes) -> dict[str, int]:
-    """What protobuf parses: each tensor's first dimension, by the name errors give it."""
-    request = pb.GradientsRequest.FromString(data)
-    tensors = {"inputs": request.inputs, "labels": request.labels}
-    tensors |= {f"inputs[{quoted(k)}]": t for k, t in request.named_inputs.items()}
-    return {what: t.shape[0] for what, t in tensors.items() if t.shape}
-
-
-def _read(data: bytes) -> dict[str, int] | None:
-    try:
-        return dict(declared_batches(data))
-    except Unreadable:
-        return None
 
 
 numbers = st.sampled_from([0, 1, 2, 100, 101, 5000, -1, -5000, 2**63 - 1, 2**64 + 7])
@@ -79,68 +54,6 @@ entry = st.lists(
     ),
     max_size=4,
 ).map(b"".join)
-request = st.lists(
-    st.one_of(
-        st.builds(lambda t: _delimited(INPUTS, t), tensor),
-        st.builds(lambda t: _delimited(LABELS, t), tensor),
-        st.builds(lambda e: _delimited(NAMED, e), entry),
-        st.builds(lambda v: _key(REQUEST_ID, 0) + encode_varint(v), numbers),
-        unknown,
-    ),
-    max_size=6,
-).map(b"".join)
-
-
-@settings(max_examples=3000, deadline=None)
-@given(request)
-def test_batches_read_from_bytes_are_those_protobuf_parses(data: bytes) -> None:
-    try:
-        parsed = _parsed(data)
-    except Exception:  # bytes protobuf refuses: anything read from them is refused anyway
-        return
-    read = _read(data)
-    assert read is None or read == parsed
-
-
-def test_a_map_entry_protobuf_drops_is_not_read() -> None:
-    """upb keeps an entry holding an unknown field among the unknown fields, out of the
-    map, so it neither adds an input nor replaces one of the same key."""
-    small = _delimited(NAMED, _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, b"\x02")))
-    dropped = _delimited(
-        NAMED,
-        _delimited(1, b"a") + _delimited(2, _delimited(SHAPE, encode_varint(5000))) + b"\x18\x00",
-    )
-    assert _parsed(small + dropped) == {"inputs['a']": 2} == _read(small + dropped)
-    assert _parsed(dropped) == {} == _read(dropped)
-
-
-def test_inputs_sent_in_parts_take_the_first_shape_sent() -> None:
-    """Protobuf merges the parts: their shapes follow each other."""
-    first = _delimited(INPUTS, _delimited(3, b"ab"))
-    second = _delimited(INPUTS, _delimited(SHAPE, encode_varint(5000) + encode_varint(2)))
-    third = _delimited(INPUTS, _delimited(SHAPE, encode_varint(7)))
-    assert _parsed(first + second + third) == {"inputs": 5000} == _read(first + second + third)
-
-
-def test_a_step_requests_batch_is_read_in_its_field() -> None:
-    batch = pb.GradientsRequest(inputs=tensor_pb2.Tensor(shape=[5000]))
-    data = pb.StepRequest(model="m", batch=batch).SerializeToString()
-    assert dict(declared_batches(data, pb.StepRequest.BATCH_FIELD_NUMBER)) == {"inputs": 5000}
-
-
-@pytest.mark.parametrize(
-    "data",
-    [
-        _key(REQUEST_ID, 0) + encode_varint(3) + _key(REQUEST_ID, 0) + encode_varint(7),
-        _key(REQUEST_ID, 0) + encode_varint(7) + _delimited(REQUEST_ID, b"abc"),
-        _key(REQUEST_ID, 0) + b"\x87\x80\x80\x80\x80\x80\x80\x80\x80\x02",
-    ],
-    ids=["the last one", "then one of another wire type", "a varint of over 64 bits"],
-)
-def test_the_request_id_is_the_one_protobuf_parses(data: bytes) -> None:
-    assert declared_request_id(data) == pb.GradientsRequest.FromString(data).request_id
-
-
 MODEL = pb.StepRequest.MODEL_FIELD_NUMBER
 
 
@@ -160,13 +73,6 @@ def test_a_steps_model_is_the_one_protobuf_parses(data: bytes) -> None:
 def test_a_model_name_protobuf_refuses_is_not_read() -> None:
     assert declared_model(_delimited(MODEL, b"\xff"), MODEL) is None
     assert declared_model(_delimited(MODEL, b"ab")[:-1], MODEL) is None
-
-
-def test_many_small_fields_are_unreadable_however_they_nest() -> None:
-    """One budget of fields for the whole reading: parts of many small fields each."""
-    part = _delimited(INPUTS, b"\x08\x00" * 100)
-    with pytest.raises(Unreadable):
-        list(declared_batches(part * 100))
 
 
 field = st.one_of(

@@ -65,39 +65,6 @@ def test_bytes_that_end_mid_field_count_what_was_read() -> None:
     assert field_bytes(b"\xff" * 20, HEADER) == 0
 
 
-SHAPE = tensor_pb2.Tensor.SHAPE_FIELD_NUMBER
-
-
-def test_first_element_reads_a_packed_field() -> None:
-    data = tensor_pb2.Tensor(dtype=1, shape=[300, 2], content=b"x" * 40).SerializeToString()
-    assert Reader(data).first_element(SHAPE) == 300
-
-
-def test_first_element_reads_an_unpacked_field() -> None:
-    """Parsers accept a repeated integer field sent unpacked, one varint per element."""
-    data = bytes([0x10, 0xAC, 0x02, 0x10, 0x02])
-    assert list(tensor_pb2.Tensor.FromString(data).shape) == [300, 2]
-    assert Reader(data).first_element(SHAPE) == 300
-
-
-def test_first_element_reads_negative_numbers_as_int64() -> None:
-    data = tensor_pb2.Tensor(shape=[-1, 2]).SerializeToString()
-    assert Reader(data).first_element(SHAPE) == -1
-
-
-def test_first_element_of_an_absent_field_is_none() -> None:
-    assert (
-        Reader(tensor_pb2.Tensor(dtype=1, content=b"ab").SerializeToString()).first_element(SHAPE)
-        is None
-    )
-
-
-def test_first_element_skips_an_empty_packed_part() -> None:
-    data = bytes([0x12, 0x00]) + tensor_pb2.Tensor(shape=[7]).SerializeToString()
-    assert list(tensor_pb2.Tensor.FromString(data).shape) == [7]
-    assert Reader(data).first_element(SHAPE) == 7
-
-
 def test_length_delimited_gives_each_part_in_order() -> None:
     first, second = _header(2), _header(3)
     data = b"".join(pb.WeightsMessage(header=h).SerializeToString() for h in (first, second))

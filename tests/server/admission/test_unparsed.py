@@ -3,12 +3,10 @@ every legitimate request."""
 
 from __future__ import annotations
 
-from pergrad.server.admission.unparsed import Unparsed, oversized_batch
-from pergrad.server.config import Config
+from pergrad.server.admission.unparsed import Unparsed
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.registry import ModelRegistry, serve_model
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.v1 import tensor_pb2
 from pergrad.wire.codec import wire_dtype
 from pergrad.wire.fields import encode_varint
 
@@ -40,7 +38,7 @@ def test_a_legitimate_header_at_its_widest_is_not_refused_on_size() -> None:
     a served model's header."""
     name = "mnist_mlp"
     served = serve_model(name, BUILTIN_MODELS[name](), loss=LOSS, jit_compile=False)
-    unparsed = Unparsed(ModelRegistry([served]), Config())
+    unparsed = Unparsed(ModelRegistry([served]))
     variables = [(v.name, wire_dtype(v.dtype), v.shape) for v in served.engine.variables]
     data = _widest_header(name, variables)
     parsed = pb.WeightsMessage.FromString(data).header
@@ -49,44 +47,3 @@ def test_a_legitimate_header_at_its_widest_is_not_refused_on_size() -> None:
     assert unparsed.oversized_header(data) is None
     padded = data + _field(1, _field(99, b"x" * 8192))  # the header grown past 8 KiB
     assert unparsed.oversized_header(padded) is not None
-
-
-# A gradients request's batch refused before it is parsed (`oversized_batch`) with the
-# refusal its parsed form gets (`tests/wire/test_declared.py` holds the reading of its
-# bytes to protobuf's parsing).
-MAX_BATCH = 100
-
-
-def _request(*, inputs: int, labels: int) -> pb.GradientsRequest:
-    return pb.GradientsRequest(
-        model="m",
-        inputs=tensor_pb2.Tensor(shape=[inputs, 3]),
-        labels=tensor_pb2.Tensor(shape=[labels]),
-    )
-
-
-def test_a_batch_within_max_batch_is_left_to_the_parser() -> None:
-    assert oversized_batch(_request(inputs=100, labels=100).SerializeToString(), MAX_BATCH) is None
-
-
-def test_a_batch_over_max_batch_is_refused_naming_the_tensor_and_the_limit() -> None:
-    refusal = oversized_batch(_request(inputs=5, labels=101).SerializeToString(), MAX_BATCH)
-    assert refusal is not None and refusal.code == "RESOURCE_EXHAUSTED"
-    assert str(refusal) == (
-        "labels: batch of 101 exceeds --max-batch 100 (ModelInfo.limits.max_batch); split it"
-    )
-
-
-def test_a_steps_batch_is_refused_in_its_field() -> None:
-    step = pb.StepRequest(model="m", batch=_request(inputs=5000, labels=5000))
-    refusal = oversized_batch(
-        step.SerializeToString(), MAX_BATCH, in_field=pb.StepRequest.BATCH_FIELD_NUMBER
-    )
-    assert str(refusal).startswith("inputs: batch of 5000 exceeds")
-
-
-def test_bytes_it_cannot_read_are_left_to_the_parser() -> None:
-    """A group in front (which upb skips) hides the rest from a reading without parsing."""
-    data = bytes([0x7B, 0x7C]) + _request(inputs=5000, labels=5000).SerializeToString()
-    assert pb.GradientsRequest.FromString(data).inputs.shape[0] == 5000
-    assert oversized_batch(data, MAX_BATCH) is None
