@@ -326,12 +326,12 @@ MUTANTS = (
         "let in after 7",
         (
             Edit(
-                "server/admission/refused.py",
-                "while buckets and buckets[0][0] + 1 + self.window_s <= now:",
-                "while buckets and buckets[0][0] + self.window_s <= now:",
+                "server/admission/budgets.py",
+                "while charges and charges[0][0] + 1 + (self.window_s or 0.0) <= now:",
+                "while charges and charges[0][0] + (self.window_s or 0.0) <= now:",
             ),
         ),
-        ("tests/server/admission/test_refused.py",),
+        ("tests/server/admission/test_budgets.py",),
     ),
     Mutant(
         "worker_share_one_call_too_many",

@@ -72,7 +72,7 @@ def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
 
 # Refusals for what a request held, not for the server's state (a busy server's
 # RESOURCE_EXHAUSTED, a pin's FAILED_PRECONDITION): marked on the call's record, so that
-# its bytes count against its caller's budget (`guard`, `refused.RefusedBytes`).
+# its bytes count against its caller's budget (`guard`, a windowed `budgets.Budget`).
 _CONTENT_ERRORS = (InvalidArgument, NotFound, RequestTooLarge, CodecError, OptionError, CastError)
 
 

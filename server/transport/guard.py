@@ -27,7 +27,7 @@ calls leave workers to the others. This interceptor:
 - lets non-blocking handlers (health Watch) return as soon as their request is read;
 - refuses a caller's calls to the service unread while the requests it had refused for
   what they held (marked on the call's record, `admission.calls`) came to more than its
-  budget of bytes in the last seconds (`refused.RefusedBytes`): each was received and
+  budget of bytes in the last seconds (`budgets.Budget`, windowed): each was received and
   copied before it could be refused, with the GIL every call waits for.
 """
 
@@ -42,10 +42,10 @@ import grpc
 from google.protobuf.message import Message
 
 from pergrad.server.admission import calls
+from pergrad.server.admission.budgets import refused_bytes
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.admission.limits import share
+from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S, share
 from pergrad.server.admission.pools import Place, Pool, take_each
-from pergrad.server.admission.refused import RefusedBytes
 from pergrad.server.errors import PergradServerError, ResourceExhausted
 from pergrad.server.status import RefusedRequest, sized
 from pergrad.server.transport.auth import token_key
@@ -84,7 +84,7 @@ class CallGuard(grpc.ServerInterceptor):
         self._on_refused_unread = on_refused_unread
         self._admission = admission
         self._bounds = request_bounds
-        self._refused = RefusedBytes()
+        self._refused = refused_bytes()
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
         self._tokens = tokens
@@ -232,15 +232,15 @@ class CallGuard(grpc.ServerInterceptor):
         self, caller: str, method: str, context: grpc.ServicerContext
     ) -> None:
         """Refuse the call before its request is read while its caller's refused bytes
-        are over their budget (`refused.RefusedBytes`), counting it."""
+        are over their budget (`budgets.Budget`, windowed), counting it."""
         wait_s = self._refused.wait_s(caller)
         if wait_s > 0:
             self._on_refused_unread(method)
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this caller's requests refused in the last {self._refused.window_s:g} s "
-                "for what they held came to more than "
-                f"{self._refused.budget >> 20} MiB: its calls are refused unread for "
+                f"this caller's requests refused in the last {REFUSED_WINDOW_S:g} s "
+                f"for what they held came to more than {REFUSED_BYTES >> 20} MiB: its "
+                "calls are refused unread for "
                 f"{wait_s:.1f} s more; fix what those refusals named",
             )
 
@@ -248,7 +248,7 @@ class CallGuard(grpc.ServerInterceptor):
         """A call refused for its content: its request's bytes, against its caller's
         budget."""
         if call.request_bytes and call.refused_for_content:
-            self._refused.add(call.caller, call.request_bytes)
+            self._refused.charge(call.caller, call.request_bytes)
 
     def _open_share(self, place: Place, context: grpc.ServicerContext) -> None:
         """Count the call's open place against its connection, or refuse the call at once:
