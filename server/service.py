@@ -3,8 +3,9 @@ encodes the answer. Errors become status codes in `status` only."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -42,7 +43,7 @@ from pergrad.wire.codec import (
     tensor_spec,
     wire_dtype,
 )
-from pergrad.wire.rpc import ONE_REQUEST_IN_CHUNKS, SERVICE
+from pergrad.wire.rpc import SERVICE, registered
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -53,6 +54,24 @@ def _batched_spec(
     """Spec with -1 for the batch and for any per-example dimension of free size."""
     dims = [-1, *(-1 if d is None else d for d in shape)]
     return tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=dims)
+
+
+def _counted_as_update(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (ApplyStep), counting a failed call for the served model its request
+    names, whether the method failed or the request was refused while its chunks were
+    read (one refused from its bytes is counted there: `admission.unparsed`)."""
+
+    @functools.wraps(method)
+    def counted(self: GradientServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception:
+            model = getattr(request, "model", None)
+            if model in self._registry.names:
+                self.metrics.weights_update_failed(model)
+            raise
+
+    return counted
 
 
 class GradientServicer(pb_grpc.GradientServiceServicer):
@@ -209,22 +228,19 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             except PergradServerError as err:  # the request named by its id
                 raise type(err)(f"request {request.request_id}: {err}") from err
 
+    @_counted_as_update
     @status
     def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         served = self._registry.get(request.model)
-        try:
-            step = apply_step(
-                served,
-                request,
-                self._settings,
-                self._admission,
-                cancelled=lambda: not context.is_active(),
-                caller=calls.of(context).caller,
-                held_bytes=request_bytes(context, request),
-            )
-        except Exception:
-            self.metrics.weights_update_failed(served.name)
-            raise
+        step = apply_step(
+            served,
+            request,
+            self._settings,
+            self._admission,
+            cancelled=lambda: not context.is_active(),
+            caller=calls.of(context).caller,
+            held_bytes=request_bytes(context, request),
+        )
         snapshot = step.snapshot
         self.metrics.weights_updated(served.name, snapshot.version)
         response = pb.StepResponse(
@@ -272,7 +288,7 @@ def add_to_server(
     requests reach the handler (`RefusedRequest`), as do requests refused from their
     bytes before they are parsed (`refusals`, by method: `admission.unparsed`)."""
     handlers = {
-        method.name: kind(_streams_requests(method), method.server_streaming).factory(
+        method.name: kind(*registered(method)).factory(
             getattr(servicer, method.name),
             request_deserializer=parser(
                 getattr(pb, method.input_type.name), refusals.get(method.name)
@@ -285,10 +301,3 @@ def add_to_server(
         (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
     )
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
-
-
-def _streams_requests(method: Any) -> bool:
-    """Whether the method's handler takes a stream of requests: a method whose one request
-    may come in chunks is registered as taking one, which the guard reads whole
-    (`transport.chunked`) and serves request-streaming, as it serves every such method."""
-    return method.client_streaming and method.name not in ONE_REQUEST_IN_CHUNKS

@@ -15,7 +15,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -46,21 +46,12 @@ def bounded(message: str) -> str:
 @dataclass(frozen=True)
 class RefusedRequest:
     """A request whose bytes are not a valid protobuf message of its type, or were
-    refused before parsing (`parser`): what its call answers."""
+    refused before parsing (`parser`) or while its chunks were read (the guard): what its
+    call answers; `model`, the model its first message names, where it was read (a
+    refused update still counts for its model)."""
 
     error: PergradServerError
-
-
-class Sized(NamedTuple):
-    """A request and its size on the wire."""
-
-    request: Any
-    nbytes: int
-
-
-def sized(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Sized]:
-    """A deserializer keeping the request's size beside it (None: the bytes themselves)."""
-    return lambda data: Sized(parse(data) if parse else data, len(data))
+    model: str | None = None
 
 
 def request_bytes(context: grpc.ServicerContext, request: Message) -> int:

@@ -1,8 +1,11 @@
 """The service's name and method paths, from the generated descriptor; the methods whose
 one request may come in chunks; the services a pergrad server also serves to any caller;
-and the split of a full method path."""
+each method's kind, as a server registers it; and the split of a full method path."""
 
 from __future__ import annotations
+
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import MethodDescriptor
 
 from pergrad.v1 import gradient_service_pb2 as pb
 
@@ -31,12 +34,23 @@ def method_path(name: str) -> str:
     return f"/{SERVICE_NAME}/{SERVICE.methods_by_name[name].name}"
 
 
+def registered(method: MethodDescriptor) -> tuple[bool, bool]:
+    """Whether the method's requests and responses stream, as a server registers it: a
+    method whose one request may come in chunks takes one."""
+    service = method.containing_service.full_name
+    one = service == SERVICE_NAME and method.name in ONE_REQUEST_IN_CHUNKS
+    return method.client_streaming and not one, method.server_streaming
+
+
 def streaming(path: str) -> tuple[bool, bool] | None:
-    """Whether the requests and the responses of the GradientService method at `path`
-    stream; None for a path that is not one of its methods."""
+    """`registered` for the method at `path`, from its descriptor (any service whose
+    protos are imported: pergrad's, health, reflection); None for a path that names no
+    such method."""
     service, name = split_method(path)
-    method = SERVICE.methods_by_name.get(name) if service == SERVICE_NAME else None
-    return None if method is None else (method.client_streaming, method.server_streaming)
+    try:
+        return registered(descriptor_pool.Default().FindMethodByName(f"{service}.{name}"))
+    except KeyError:
+        return None
 
 
 def split_method(path: str) -> tuple[str, str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.transport.handlers import Kind, declared_kind_of, kind, refusal
+from pergrad.server.transport.handlers import refusal
 from pergrad.wire.rpc import OPEN_SERVICES, method_path, split_method, streaming
 
 READ_ONLY_SUFFIX = ":ro"
@@ -120,9 +120,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if declared is not None:
             # Refused before its handler is looked up: nothing behind this interceptor (the
             # guard, which admits streams as they arrive) sees the call.
-            return _refusing(kind(*declared), *refused)
-        handler = continuation(handler_call_details)  # another service's method, or none
-        return None if handler is None else _refusing(declared_kind_of(handler), *refused)
+            return _refusing(declared[1], *refused)
+        handler = continuation(handler_call_details)  # a method with no descriptor, or none
+        return None if handler is None else _refusing(handler.response_streaming, *refused)
 
     def _refusal(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """The status a call gets instead of an answer, or None to let it through."""
@@ -138,8 +138,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         return None
 
 
-def _refusing(declared: Kind, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler for a method of kind `declared` that ends the call with `code` at once.
+def _refusing(
+    response_streaming: bool, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with `code` at once.
 
     The request is never read (nor parsed), so a refused call costs no decoding and holds
     no worker waiting for a request its client may never send.
@@ -148,4 +150,4 @@ def _refusing(declared: Kind, code: grpc.StatusCode, message: str) -> grpc.RpcMe
     def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(code, message)
 
-    return refusal(declared, refuse)
+    return refusal(response_streaming, refuse)

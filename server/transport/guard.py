@@ -47,14 +47,13 @@ from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S, share
 from pergrad.server.admission.pools import Place, Pool, take_each
 from pergrad.server.errors import PergradServerError, ResourceExhausted
-from pergrad.server.status import RefusedRequest, sized
+from pergrad.server.status import RefusedRequest
 from pergrad.server.transport.auth import token_key
 from pergrad.server.transport.chunked import RequestBounds, whole_request
 from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
 from pergrad.server.transport.handlers import (
     as_request_stream,
     behavior_of,
-    declared_kind_of,
     refusal,
     replaced,
 )
@@ -133,16 +132,16 @@ class CallGuard(grpc.ServerInterceptor):
             wanted.append((self._open_streams if open_service else self._streams, token))
         places = take_each(wanted)
         if places is None:
-            return refusal(declared_kind_of(handler), refusing(open_service))
-        guarded = self._guarded(behavior, method, handler, places, watch, open_service, token)
+            return refusal(handler.response_streaming, refusing(open_service))
+        call = None if open_service else calls.Call(token or "")
+        guarded = self._guarded(behavior, method, handler, places, watch, call)
         if open_service:
             run_on(guarded, self._watch_pool if watch else self._open_pool)
-        parse = handler.request_deserializer
-        if open_service:
-            parse = open_parser(parse)
+        deserializer = handler.request_deserializer
+        parse = open_parser(deserializer) if call is None else call.reading(deserializer)
         if handler.request_streaming:
-            return replaced(handler, guarded, request_deserializer=sized(parse))
-        return as_request_stream(handler, guarded, sized(parse))
+            return replaced(handler, guarded, request_deserializer=parse)
+        return as_request_stream(handler, guarded, parse)
 
     def _guarded(
         self,
@@ -151,23 +150,22 @@ class CallGuard(grpc.ServerInterceptor):
         handler: grpc.RpcMethodHandler,
         places: list[Place],
         watch: bool,
-        open_service: bool,
-        token: str | None,
+        call: calls.Call | None,
     ) -> Callable[..., Any]:
         """The call's behaviour, holding its places until it ends (a Watch holds no
-        thread once its request is read), and a call to another open service one of its
-        connection's share (`_open_share`)."""
-        waiting = places[0] if open_service else None
+        thread once its request is read), and a call to another open service (`call`
+        None) one of its connection's share (`_open_share`)."""
+        waiting = places[0] if call is None else None
         if watch:
             return self._watch_handler(behavior, method, places, waiting)
 
         def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
             for place in places:
                 place.hold_until_done(context)
-            if open_service:
+            if call is None:
                 self._open_share(places[0], context)
                 return self._serve(behavior, handler, method, waiting, iterator, context)
-            call = calls.Call(context.peer() if token is None else token)
+            call.caller = call.caller or context.peer()  # no token: its connection
             self._within_refused_budget(call.caller, method, context)
             try:
                 return self._serve(behavior, handler, method, waiting, iterator, context, call)
@@ -211,7 +209,7 @@ class CallGuard(grpc.ServerInterceptor):
         """The call served under the stall timer, its record (`call`: calls to the
         service) kept current and handed to the servicer on its context, its request
         priced and a worker's place taken."""
-        timed = TimedCall(self._timer, context, method, waiting, call)
+        timed = TimedCall(self._timer, context, method, waiting)
         served = context if call is None else calls.Context(context, call)
         if handler.request_streaming:
             if call is not None:
@@ -278,7 +276,7 @@ class CallGuard(grpc.ServerInterceptor):
         try:
             return whole_request(first, rest, call=call, bounds=self._bounds, hold=hold)
         except PergradServerError as err:
-            return RefusedRequest(err)
+            return RefusedRequest(err, model=getattr(first, "model", None))
 
     def _hold(self, nbytes: int, caller: str, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end

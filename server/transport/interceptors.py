@@ -21,7 +21,7 @@ from pergrad.server.transport.grpc_private import (
     non_blocking,
     pool_of,
 )
-from pergrad.server.transport.handlers import behavior_of, declared_kind_of, replaced
+from pergrad.server.transport.handlers import behavior_of, declared_kind, replaced
 from pergrad.wire.rpc import split_method
 
 # The client cancels at its own deadline, which the server's copy of it trails by the time
@@ -72,7 +72,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         service, method = split_method(handler_call_details.method)
-        declared = declared_kind_of(handler)
+        declared = declared_kind(handler_call_details.method, handler)
         labels = RpcLabels(declared.grpc_type, service or "unknown", method)
         call = _Call(
             self._metrics,

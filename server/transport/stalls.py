@@ -19,9 +19,8 @@ from typing import Any
 
 import grpc
 
-from pergrad.server.admission import calls
 from pergrad.server.admission.pools import Place
-from pergrad.server.status import RefusedRequest, Sized
+from pergrad.server.status import RefusedRequest
 from pergrad.server.transport.interceptors import ended_by_client
 
 _LOGGER = logging.getLogger(__name__)
@@ -75,31 +74,24 @@ class StallTimer:
 
 @dataclass(frozen=True)
 class TimedCall:
-    """One call's waits on its client, each under the stall timer: the call's record
-    (`call`, for calls to the service) and, for an open service's call, its place
-    (`waiting`), which may be evicted while it waits."""
+    """One call's waits on its client, each under the stall timer, and, for an open
+    service's call, its place (`waiting`), which may be evicted while it waits."""
 
     timer: StallTimer
     context: grpc.ServicerContext
     method: str
     waiting: Place | None = None
-    call: calls.Call | None = None
 
     def requests(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The requests, each waited for under the stall timer (an open service's
         requests refused by the guard's open-service parser ending the call). A call
         cancelled as stalled or evicted ends CANCELLED, whichever way gRPC ends its
         request stream (it may end it normally, which the handler would take for the
-        client's end). Sized requests are handed on bare, the latest one's bytes kept on
-        the call's record (a stream's refusal is its latest request's)."""
+        client's end)."""
         while True:
             item = self._next(iterator)
             if item is _NOTHING:
                 return
-            if isinstance(item, Sized):
-                item, nbytes = item
-                if self.call is not None:
-                    self.call.request_bytes = nbytes
             if self.waiting is not None and isinstance(item, RefusedRequest):
                 error = item.error
                 self.context.abort(grpc.StatusCode[error.code], f"{self.method}: {error}")
@@ -123,9 +115,9 @@ class TimedCall:
     def one_request(
         self, iterator: Iterator[Any], whole: Callable[[Any, Iterator[Any]], Any] | None = None
     ) -> Any:
-        """The one request of a call to a method that takes one (then the client's end),
-        its size on the wire kept on the call's record: `whole` reads the rest of it, if
-        it comes in chunks, from the messages after its first."""
+        """The one request of a call to a method that takes one (then the client's end):
+        `whole` reads the rest of it, if it comes in chunks, from the messages after its
+        first."""
         requests = self.requests(iterator)
         try:
             request = next(requests, _NOTHING)

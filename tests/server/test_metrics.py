@@ -15,6 +15,7 @@ from pergrad.server.main import RunningServer
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.chunked_requests import in_chunks
 from pergrad.wire.codec import encode_tensor
 from tests.helpers import KERAS_MODEL_NAME, batch_for
 from tests.prometheus import promtool, sample_names, scrape
@@ -228,6 +229,29 @@ def test_a_step_over_max_batch_is_counted_as_a_failed_update(
             assert err.value.code() == code
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="no_such_model") == 0
+    assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
+
+
+def test_a_step_refused_while_its_chunks_are_read_is_counted_as_a_failed_update(
+    fresh_server: RunningServer,
+) -> None:
+    """A step whose batch comes in chunks, its last chunk never sent: refused once its
+    stream ends, before the servicer's method runs, and counted for the model it names."""
+    x, y = batch_for((784,), 10, 512)
+    batch = pb.GradientsRequest(
+        inputs=encode_tensor(x), labels=encode_tensor(y), reduction=pb.REDUCTION_MOMENTS
+    )
+    step = pb.StepRequest(model="mnist_mlp", learning_rate=0.1, batch=batch)
+    *sent, _ = in_chunks(step, inline_bytes=1024)
+    with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
+        apply_step = channel.stream_unary(f"/{SERVICE}/ApplyStep")
+        with pytest.raises(grpc.RpcError) as err:
+            apply_step(
+                iter([m if isinstance(m, bytes) else m.SerializeToString() for m in sent]),
+                timeout=30,
+            )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
 
 
