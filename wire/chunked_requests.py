@@ -33,6 +33,9 @@ INLINE_BYTES = 3 << 20
 # Each chunk of a request but a tensor's last holds at least this: a client cannot make
 # the server hold a request's declared bytes while it trickles them a byte at a time.
 MIN_CHUNK_BYTES = 64 << 10
+# A chunk message's bytes besides its data at most: its chunk's tensor and offset, and
+# the tags and lengths (34 bytes in any encoding that sends each field once).
+CHUNK_FIELDS_BYTES = 64
 # The fields of a request whose tensors hold examples (their first dimension the batch).
 _EXAMPLES = ("inputs", "named_inputs", "labels")
 # The requests that may come in chunks; any other message is always whole.
@@ -136,9 +139,10 @@ class Chunked:
     def complete(self) -> bool:
         return self._assembly().complete if self._chunked else True
 
-    def add(self, message: Request) -> int:
-        """One chunk message: only its chunk set, for a tensor still missing bytes, of
-        MIN_CHUNK_BYTES at least unless it ends its tensor; the bytes it held."""
+    def add(self, message: Request, nbytes: int = 0) -> None:
+        """One chunk message (`nbytes` on the wire, where known): only its chunk set,
+        for a tensor still missing bytes, of MIN_CHUNK_BYTES at least unless it ends its
+        tensor."""
         if not message.HasField("chunk") or len(message.ListFields()) != 1:
             raise CodecError(
                 f"{type(message).__name__}: a message holding only `chunk` was due (the "
@@ -146,13 +150,17 @@ class Chunked:
             )
         chunk = message.chunk
         data = chunk.data
+        if nbytes - len(data) > CHUNK_FIELDS_BYTES:
+            raise CodecError(
+                f"a chunk message of {nbytes} bytes holds {len(data)} of data: it may hold "
+                f"{CHUNK_FIELDS_BYTES} more at most (fields this server does not know)"
+            )
         self._assembly().add_raw(chunk.tensor, chunk.offset, data)
         if len(data) < MIN_CHUNK_BYTES and chunk.offset + len(data) < self._sizes[chunk.tensor]:
             raise CodecError(
                 f"a chunk of {len(data)} bytes: each chunk but a tensor's last holds "
                 f"{MIN_CHUNK_BYTES} at least"
             )
-        return len(data)
 
     def whole(self) -> Message:
         """The request, every chunked tensor's bytes in place (refused if any is short)."""

@@ -38,19 +38,20 @@ def whole_request(
 ) -> Any:
     """The request `first` begins (its message's bytes on `call`'s record), its chunks
     read from `rest` (none for a request whose tensors are all inline, or a message of
-    another kind); the record then carries the bytes received, the request's size when
-    it is whole (what a refusal for content is charged). Raises InvalidArgument for a
-    chunk out of place, RequestTooLarge for a request over a bound (from its first
-    message), Cancelled for chunks too slow."""
+    another kind); the record then carries the bytes of every message read, the
+    request's size when it is whole (what a refusal for content is charged). Raises
+    InvalidArgument for a chunk out of place, RequestTooLarge for a request over a bound
+    (from its first message), Cancelled for chunks too slow."""
     received = call.request_bytes
     try:
         chunked = _within_bounds(Chunked(first), received, bounds)
         hold(received + chunked.nbytes)
         began = time.monotonic()
         while not chunked.complete and (message := next(rest, None)) is not None:
+            received += call.request_bytes  # as read (its deserializer's record)
             if isinstance(message, RefusedRequest):
                 raise message.error
-            received += chunked.add(message)
+            chunked.add(message, call.request_bytes)
             if time.monotonic() - began > bounds.within_s:
                 raise Cancelled(
                     f"the request's chunks took over {bounds.within_s:g} s (--stall-timeout) "

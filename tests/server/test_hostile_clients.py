@@ -1461,9 +1461,9 @@ def test_requests_in_chunks_refused_for_what_they_hold_are_charged_what_they_sen
     ending: str,
 ) -> None:
     """Requests of 12 MiB sent in chunks, refused for what they hold (their labels short,
-    or a message out of place ending them): each is charged its first message and the
-    bytes of the chunks it sent, so that chunks pass no more bytes through the budget
-    than one message would."""
+    or a message out of place ending them): each is charged every message it sent, as
+    many bytes as it sent, so that chunks pass no more bytes through the budget than one
+    message would."""
     running = _start(max_request_bytes=16 << 20)
     try:
         request = pb.GradientsRequest.FromString(_labels_short(12 << 20))
@@ -1471,8 +1471,7 @@ def test_requests_in_chunks_refused_for_what_they_hold_are_charged_what_they_sen
         if ending != "whole":
             chunks[-1] = b""
         header = first.SerializeToString()
-        sent = [pb.GradientsRequest.FromString(c).chunk.data for c in chunks]
-        charged = len(header) + sum(len(data) for data in sent)
+        charged = len(header) + sum(len(chunk) for chunk in chunks)
         codes = _codes_until_barred(running, header, *chunks, charged=charged)
         assert {c for c, _ in codes[:-1]} == {grpc.StatusCode.INVALID_ARGUMENT}
         assert "refused unread" in codes[-1][1]

@@ -33,11 +33,11 @@ def _parsed(parts: list) -> list:
 
 
 def _filled(parts: list) -> pb.GradientsRequest:
-    """The request a receiver makes of the parts."""
+    """The request a receiver makes of the parts, each chunk message with its size."""
     header, *chunks = _parsed(parts)
     whole = Chunked(header)
-    for message in chunks:
-        whole.add(message)
+    for message, sent in zip(chunks, parts[1:], strict=True):
+        whole.add(message, len(sent))
     assert whole.complete
     return whole.whole()
 
@@ -152,3 +152,22 @@ def test_the_batches_declared_in_chunks_are_the_example_tensors() -> None:
         ("batch.inputs", 300 * KIB // 4),
         ("batch.labels", 160 * KIB // 8),
     ]
+
+
+def test_a_chunk_message_holding_more_than_its_chunk_is_refused() -> None:
+    """Bytes besides the chunk's (fields the server does not know) would pass through it
+    uncharged: a message holding more than CHUNK_FIELDS_BYTES of them is refused."""
+    header, chunk = in_chunks(_request(256 * KIB, 8), inline_bytes=KIB, chunk_bytes=1 << 20)
+    padding = b"\x9a\x06" + bytes([0x80, 0x08]) + bytes(1024)  # field 99: 1 KiB
+    padded = chunk + padding
+    assert pb.GradientsRequest.FromString(padded).ListFields() == [
+        (
+            pb.GradientsRequest.DESCRIPTOR.fields_by_name["chunk"],
+            pb.GradientsRequest.FromString(chunk).chunk,
+        )
+    ]
+    whole = Chunked(header)
+    with pytest.raises(CodecError, match=f"{len(padded)} bytes holds {256 * KIB} of data"):
+        whole.add(pb.GradientsRequest.FromString(padded), len(padded))
+    whole.add(pb.GradientsRequest.FromString(chunk), len(chunk))
+    assert whole.complete

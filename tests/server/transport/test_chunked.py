@@ -171,6 +171,20 @@ def test_a_chunk_out_of_place_or_missing_is_invalid_argument(
     assert named in refused.details()
 
 
+def test_a_chunk_message_holding_fields_besides_its_chunk_is_invalid_argument(
+    channel: grpc.Channel,
+) -> None:
+    """1 KiB of a field this server does not know beside a chunk: refused, not passed
+    through uncharged."""
+    chunk = _chunk(0, 0, bytes(4 * 784 * 2)).SerializeToString()
+    unknown = b"\x9a\x06" + bytes([0x80, 0x08]) + bytes(1024)  # field 99, 1 KiB
+    refused = _refusal(channel, iter([_declaring([2, 784]), chunk + unknown]))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fields this server does not know" in refused.details()
+    (reply,) = _call(channel, "ComputePerExampleGradients", iter([_declaring([2, 784]), chunk]))
+    assert pb.GradientsResponse.FromString(reply).header.batch_size == 2
+
+
 def test_a_second_request_on_a_call_taking_one_is_invalid_argument(
     channel: grpc.Channel,
 ) -> None:
