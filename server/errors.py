@@ -14,6 +14,15 @@ class InvalidArgument(PergradServerError):
     code = "INVALID_ARGUMENT"
 
 
+class RefusedUnparsed(InvalidArgument):
+    """A request refused from its bytes before it was parsed, and the model they name
+    (None if none could be read): a refused update still counts for its model."""
+
+    def __init__(self, message: str, *, model: str | None) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 class NotFound(PergradServerError):
     code = "NOT_FOUND"
 

@@ -132,7 +132,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     )
     try:
         servicer = GradientServicer(registry, config, metrics, coalescers, admission)
-        refusals = Unparsed(registry, metrics.weights_update_failed).by_method()
+        refusals = Unparsed(registry).by_method()
         grpc_servers = _start_grpc(config, limits, servicer, refusals, guard)
     except BaseException:
         guard.close()

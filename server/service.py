@@ -9,31 +9,25 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
-import numpy as np
 
 from pergrad.server.admission import calls
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.admission.unparsed import (
-    OversizedHeader,
-    request_bytes_limit,
-    variable_specs,
-)
+from pergrad.server.admission.unparsed import request_bytes_limit
 from pergrad.server.config import Config
-from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.errors import InvalidArgument, PergradServerError, RefusedUnparsed
 from pergrad.server.gradients import Settings, prepare, responses
 from pergrad.server.metrics import ServerMetrics
+from pergrad.server.model_info import model_info
 from pergrad.server.models.registry import ModelRegistry, ServedModel
-from pergrad.server.sharing import UNRESOLVED_COALESCING, Coalescers, served_plan
+from pergrad.server.sharing import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.status import Refusal, parser, request_bytes, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
-from pergrad.server.training import KERAS_VERSION
 from pergrad.server.transport.chunked import RequestBounds, whole_request
 from pergrad.server.transport.handlers import kind
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
-from pergrad.v1 import tensor_pb2
 from pergrad.wire.chunks import serialize
 from pergrad.wire.codec import (
     TensorAssembler,
@@ -41,25 +35,16 @@ from pergrad.wire.codec import (
     iter_chunks,
     numpy_dtype,
     tensor_spec,
-    wire_dtype,
 )
 from pergrad.wire.rpc import SERVICE, registered
 
 _LOGGER = logging.getLogger(__name__)
 
 
-def _batched_spec(
-    name: str, dtype: np.dtype, shape: tuple[int | None, ...]
-) -> tensor_pb2.TensorSpec:
-    """Spec with -1 for the batch and for any per-example dimension of free size."""
-    dims = [-1, *(-1 if d is None else d for d in shape)]
-    return tensor_pb2.TensorSpec(name=name, dtype=wire_dtype(dtype), shape=dims)
-
-
 def _counted_as_update(method: Callable[..., Any]) -> Callable[..., Any]:
     """`method` (ApplyStep), counting a failed call for the served model its request
-    names, whether the method failed or the request was refused while its chunks were
-    read (one refused from its bytes is counted there: `admission.unparsed`)."""
+    names, whether the method failed or the request was refused on the way: from its
+    bytes, or while its chunks were read (`RefusedRequest.model`)."""
 
     @functools.wraps(method)
     def counted(self: GradientServicer, request: Any, context: grpc.ServicerContext) -> Any:
@@ -107,34 +92,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     @status
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Any) -> pb.ModelInfo:
         served = self._registry.get(request.model)
-        engine = served.engine
-        plan, plan_id = served_plan(engine, self._settings.max_coalesced_batch)
-        return pb.ModelInfo(
-            name=served.name,
-            model_version=served.weights.current.version,
-            weights_id=served.weights.current.weights_id,
-            variables=variable_specs(served),
-            input=_batched_spec("input", engine.input_spec.dtype, engine.input_spec.shape),
-            inputs=[_batched_spec(i.name, i.dtype, i.shape) for i in engine.input_specs],
-            labels=_batched_spec("labels", engine.label_spec.dtype, engine.label_spec.shape),
-            loss=engine.loss.description,
-            num_classes=engine.label_spec.num_classes,
-            server=self._config.replica_name,
-            limits=pb.ServerLimits(
-                max_batch=self._config.max_batch,
-                max_request_bytes=self._max_request_bytes,
-                max_inflight_examples=self._config.max_inflight_examples,
-                max_inflight_bytes=self._config.max_inflight_bytes,
-                max_coalesced_batch=self._config.max_coalesced_batch,
-            ),
-            plan=plan,
-            plan_id=plan_id,
-            loss_dtype=wire_dtype(engine.loss_dtype),
-            optimizer=served.trainer.description,
-            routes=engine.routes,
-            lora=served.lora,
-            keras_version=KERAS_VERSION,
-        )
+        return model_info(served, self._config, self._max_request_bytes)
 
     @status
     def GetWeights(
@@ -162,7 +120,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     ) -> pb.SetWeightsResponse:
         try:
             first = next(request_iterator, None)
-        except OversizedHeader as err:  # refused unparsed: its model is read from its bytes
+        except RefusedUnparsed as err:  # its model read from its bytes
             if err.model in self._registry.names:
                 self.metrics.weights_update_failed(err.model)
             raise

@@ -21,7 +21,13 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pergrad.server.admission import calls
-from pergrad.server.errors import InvalidArgument, NotFound, PergradServerError, RequestTooLarge
+from pergrad.server.errors import (
+    InvalidArgument,
+    NotFound,
+    PergradServerError,
+    RefusedUnparsed,
+    RequestTooLarge,
+)
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.transport.interceptors import ended_by_client
 from pergrad.wire.casting import CastError
@@ -79,7 +85,8 @@ def parser(message_class: type[Message], refuse: Refusal | None = None) -> Calla
     def parse(data: bytes) -> Any:
         error = refuse(data) if refuse else None
         if error is not None:
-            return RefusedRequest(error)
+            model = error.model if isinstance(error, RefusedUnparsed) else None
+            return RefusedRequest(error, model=model)
         try:
             return message_class.FromString(data)
         except DecodeError as err:

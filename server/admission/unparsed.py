@@ -8,28 +8,18 @@ is 4 MiB at most: MESSAGE_BYTES). And --max-request-bytes resolved for the serve
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 
 from pergrad.server.config import Config
-from pergrad.server.errors import InvalidArgument, PergradServerError
+from pergrad.server.errors import InvalidArgument, PergradServerError, RefusedUnparsed
+from pergrad.server.model_info import variable_specs
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.status import Refusal
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.v1 import tensor_pb2
-from pergrad.wire.codec import wire_dtype
 from pergrad.wire.declared import declared_model, first_nested_string, holds_over
 from pergrad.wire.fields import field_bytes
-
-
-def variable_specs(served: ServedModel) -> list[tensor_pb2.TensorSpec]:
-    """Each trainable variable as GetModelInfo lists it and a SetWeights header names it."""
-    return [
-        tensor_pb2.TensorSpec(name=v.name, dtype=wire_dtype(v.dtype), shape=v.shape)
-        for v in served.engine.variables
-    ]
 
 
 def _unsplittable_bytes(served: ServedModel) -> int:
@@ -53,15 +43,6 @@ def request_bytes_limit(config: Config, registry: ModelRegistry) -> int:
     """--max-request-bytes, auto resolved for the served models (`Config.request_bytes_bound`)."""
     most = max((_unsplittable_bytes(registry.get(n)) for n in registry.names), default=0)
     return config.request_bytes_bound(most)
-
-
-class OversizedHeader(InvalidArgument):
-    """A SetWeights header refused from its size, and the model it names (the first name
-    sent; None if none could be read), whose update has failed."""
-
-    def __init__(self, message: str, *, model: str | None) -> None:
-        super().__init__(message)
-        self.model = model
 
 
 def _header_bound(registry: ModelRegistry) -> int:
@@ -99,13 +80,7 @@ def _fields_needed(registry: ModelRegistry) -> int:
 class Unparsed:
     """The refusals of the served models' requests from their bytes (`by_method`)."""
 
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        on_failed_update: Callable[[str], None] = lambda model: None,
-    ) -> None:
-        self._registry = registry
-        self._on_failed_update = on_failed_update
+    def __init__(self, registry: ModelRegistry) -> None:
         self._header_bound = _header_bound(registry)
         self._fields_needed = _fields_needed(registry)
         # Twice as many, and 64: room for fields sent twice and fields a newer client sets.
@@ -119,7 +94,7 @@ class Unparsed:
             "SetWeights": self.oversized_header,
             "ComputePerExampleGradients": partial(many, "GradientsRequest"),
             "StreamPerExampleGradients": partial(many, "GradientsRequest"),
-            "ApplyStep": self._counted_as_failed_step(
+            "ApplyStep": _naming_its_model(
                 partial(many, "StepRequest (or its batch)", in_field=step_batch)
             ),
         }
@@ -131,7 +106,7 @@ class Unparsed:
         size = field_bytes(data, pb.WeightsMessage.HEADER_FIELD_NUMBER)
         if size <= self._header_bound:
             return None
-        return OversizedHeader(
+        return RefusedUnparsed(
             f"WeightsMessage: a header of {size} bytes; the bound is {self._header_bound}, "
             "twice the largest a served model takes plus 4 KiB (one TensorSpec per "
             "trainable variable: GetModelInfo lists them)",
@@ -155,16 +130,17 @@ class Unparsed:
             "proto3 message holds"
         )
 
-    def _counted_as_failed_step(self, refuse: Refusal) -> Refusal:
-        """`refuse`, counting each refusal as `ApplyStep` counts a failed step: for the
-        served model the bytes name, if any (SetWeights' stream may count it itself)."""
 
-        def refuse_counted(data: bytes) -> PergradServerError | None:
-            error = refuse(data)
-            if error is not None:
-                model = declared_model(data, pb.StepRequest.MODEL_FIELD_NUMBER)
-                if model in self._registry.names:
-                    self._on_failed_update(model)
-            return error
+def _naming_its_model(refuse: Refusal) -> Refusal:
+    """`refuse`, its refusals naming the model a StepRequest's bytes name, if any (an
+    ApplyStep refused counts as a failed update for it: `service`)."""
 
-        return refuse_counted
+    def refuse_naming(data: bytes) -> PergradServerError | None:
+        error = refuse(data)
+        if error is None:
+            return None
+        return RefusedUnparsed(
+            str(error), model=declared_model(data, pb.StepRequest.MODEL_FIELD_NUMBER)
+        )
+
+    return refuse_naming

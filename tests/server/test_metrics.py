@@ -255,6 +255,26 @@ def test_a_step_refused_while_its_chunks_are_read_is_counted_as_a_failed_update(
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
 
 
+def test_a_step_refused_before_parsing_is_counted_as_a_failed_update(
+    fresh_server: RunningServer,
+) -> None:
+    """A step whose batch holds 80,000 small fields is refused from its bytes, before any
+    handler runs, and still counts for the model it names (not for one it does not)."""
+    batch = pb.GradientsRequest(reduction=pb.REDUCTION_DOT)
+    for i in range(80_000):
+        batch.reference[f"v{i}"].CopyFrom(tensor_pb2.Tensor())
+    with grpc.insecure_channel(f"127.0.0.1:{fresh_server.port}") as channel:
+        step = channel.unary_unary(f"/{SERVICE}/ApplyStep")
+        for model in ("mnist_mlp", "no_such_model"):
+            request = pb.StepRequest(model=model, learning_rate=0.1, batch=batch)
+            with pytest.raises(grpc.RpcError) as err:
+                step(request.SerializeToString(), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "fields" in err.value.details()
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
+    assert _value(fresh_server, "pergrad_weights_update_failures_total", model="no_such_model") == 0
+
+
 def test_a_header_refused_before_parsing_is_counted_as_a_failed_update(
     fresh_server: RunningServer,
 ) -> None:
