@@ -60,7 +60,7 @@ from pergrad.server.devices import with_coalescing_resolved
 from pergrad.server.engine.cores import one_blas_thread
 from pergrad.server.engine.engine import Engine
 from pergrad.server.engine.group import Job
-from pergrad.server.gradients import Settings, Work, prepare, responses
+from pergrad.server.gradients import Charge, Settings, Work, prepare, responses
 from pergrad.server.main import build_registry
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.sharing import granule_for
@@ -183,14 +183,7 @@ class Phases:
         """Compute and the response messages, as the servicer makes them."""
         coalescer = self.coalescer if self._shared() else None
         return list(
-            responses(
-                self.work,
-                0,
-                self.admission,
-                self.settings,
-                cancelled=lambda: False,
-                coalescer=coalescer,
-            )
+            responses(self.work, 0, self.settings, Charge(self.admission, lambda: False), coalescer)
         )
 
     def _shared(self) -> bool:

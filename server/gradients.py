@@ -10,6 +10,7 @@ requests share passes with others (`pergrad.server.coalescer`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 
@@ -120,26 +121,40 @@ def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Setting
     return Work(served, asked, batch, snapshot, outputs, request.inline_result)
 
 
+@dataclass(frozen=True)
+class Charge:
+    """What one call's work is charged to and stopped by: the server's admission, the
+    call's caller and the bytes it holds already (its message's, held from its arrival),
+    and whether the call has ended."""
+
+    admission: Admission
+    cancelled: Callable[[], bool]
+    caller: str = ""
+    held_bytes: int = 0
+
+    def admit(self, work: Work) -> AbstractContextManager[None]:
+        """Hold `work`'s examples and result bytes while it computes, or refuse at once."""
+        return self.admission.admit(
+            work.batch.size, work.result_bytes, self.caller, self.held_bytes
+        )
+
+
 def responses(
     work: Work,
     request_id: int,
-    admission: Admission,
     settings: Settings,
-    cancelled: Callable[[], bool],
+    charge: Charge,
     coalescer: Coalescer | None = None,
-    caller: str = "",
-    held_bytes: int = 0,
 ) -> Iterator[pb.GradientsResponse | bytes]:
     """The response messages of `work`: a header, then pre-encoded chunk messages.
 
-    A small request shares passes with others (`coalescer`, fairly between `caller`s); a
+    A small request shares passes with others (`coalescer`, fairly between callers); a
     larger one streams full gradients block by block, or computes its reduction alone.
-    `held_bytes`: the caller's bytes held for this request already (its message's).
     """
-    priced = admission.admit(work.batch.size, work.result_bytes, caller, held_bytes)
-    with priced, in_flight():
+    cancelled = charge.cancelled
+    with charge.admit(work), in_flight():
         if coalescer is not None and coalescer.takes(work.batch.size):
-            shared = partial(_shared, work, coalescer, cancelled, caller)
+            shared = partial(_shared, work, coalescer, cancelled, charge.caller)
             parts = _whole_result(work, settings, shared)
         elif work.asked.reduction.name == NONE:
             parts = _full_gradients(work, settings, cancelled)
@@ -152,17 +167,11 @@ def responses(
                 yield encode_chunk(request_id, *part)
 
 
-def reduced(
-    work: Work,
-    admission: Admission,
-    cancelled: Callable[[], bool],
-    caller: str = "",
-    held_bytes: int = 0,
-) -> GradientResult:
+def reduced(work: Work, charge: Charge) -> GradientResult:
     """`work`'s reduction computed alone, admitted like a request's, its values finite
     (ApplyStep's gradient)."""
-    with admission.admit(work.batch.size, work.result_bytes, caller, held_bytes), in_flight():
-        result = _alone(work, cancelled)
+    with charge.admit(work), in_flight():
+        result = _alone(work, charge.cancelled)
     _finite([array for _, _, array in result_arrays(result)])
     return result
 

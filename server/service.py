@@ -15,7 +15,7 @@ from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.unparsed import request_bytes_limit
 from pergrad.server.config import Config
 from pergrad.server.errors import InvalidArgument, PergradServerError, RefusedUnparsed
-from pergrad.server.gradients import Settings, prepare, responses
+from pergrad.server.gradients import Charge, Settings, prepare, responses
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.model_info import model_info
 from pergrad.server.models.registry import ModelRegistry, ServedModel
@@ -166,7 +166,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse | bytes]:
-        messages = self._gradients(request, context, held_bytes=request_bytes(context, request))
+        messages = self._gradients(request, self._charge(context, request_bytes(context, request)))
         yield from tracked(self.metrics, request, messages, context)
 
     @status
@@ -181,7 +181,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                     call=calls.of(context),
                     bounds=self._bounds,
                 )
-                messages = self._gradients(request, context)
+                messages = self._gradients(request, self._charge(context))
                 yield from tracked(self.metrics, request, messages, context)
             except PergradServerError as err:  # the request named by its id
                 raise type(err)(f"request {request.request_id}: {err}") from err
@@ -190,15 +190,8 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     @status
     def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         served = self._registry.get(request.model)
-        step = apply_step(
-            served,
-            request,
-            self._settings,
-            self._admission,
-            cancelled=lambda: not context.is_active(),
-            caller=calls.of(context).caller,
-            held_bytes=request_bytes(context, request),
-        )
+        charge = self._charge(context, request_bytes(context, request))
+        step = apply_step(served, request, self._settings, charge)
         snapshot = step.snapshot
         self.metrics.weights_updated(served.name, snapshot.version)
         response = pb.StepResponse(
@@ -216,26 +209,24 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 response.num_clipped = int(step.result.num_clipped)
         return response
 
+    def _charge(self, context: grpc.ServicerContext, held_bytes: int = 0) -> Charge:
+        """What the call's work is charged to: its caller, the bytes the guard holds for
+        it since its arrival (a one-request call's message; a stream's are not held);
+        and stopped by: the call's end."""
+        return Charge(
+            self._admission, lambda: not context.is_active(), calls.of(context).caller, held_bytes
+        )
+
     def _gradients(
-        self, request: pb.GradientsRequest, context: grpc.ServicerContext, held_bytes: int = 0
+        self, request: pb.GradientsRequest, charge: Charge
     ) -> Iterator[pb.GradientsResponse | bytes]:
-        """The responses to one request; `held_bytes`: its message's, which the guard
-        holds from its arrival (a one-request call's; a stream's are not held)."""
+        """The responses to one request."""
         served = self._registry.get(request.model)
         work = prepare(served, request, self._settings)
         coalescer = None
         if self._coalescers is not None:
             coalescer = self._coalescers.get(served.name, served.engine)
-        yield from responses(
-            work,
-            request.request_id,
-            self._admission,
-            self._settings,
-            cancelled=lambda: not context.is_active(),
-            coalescer=coalescer,
-            caller=calls.of(context).caller,
-            held_bytes=held_bytes,
-        )
+        yield from responses(work, request.request_id, self._settings, charge, coalescer)
 
 
 def add_to_server(

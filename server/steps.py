@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from pergrad.server.admission.inflight import Admission
 from pergrad.server.errors import Cancelled, InvalidArgument
-from pergrad.server.gradients import Settings, prepare, reduced
+from pergrad.server.gradients import Charge, Settings, prepare, reduced
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -48,13 +47,10 @@ def apply_step(
     served: ServedModel,
     request: pb.StepRequest,
     settings: Settings,
-    admission: Admission,
-    *,
-    cancelled: Callable[[], bool],
-    caller: str = "",
-    held_bytes: int = 0,
+    charge: Charge,
 ) -> Step:
     learning_rate, given = _checked(request)
+    cancelled = charge.cancelled
     with served.trainer.turn(cancelled):
         snapshot = served.weights.get(request.model_version, request.weights_id)
         result: GradientResult | None = None
@@ -63,16 +59,7 @@ def apply_step(
             total = _given_sum(served, request.gradient_sum)
             divisor = request.expected_batch_size
         else:
-            result, total = _batch_sum(
-                served,
-                request.batch,
-                snapshot,
-                settings,
-                admission,
-                cancelled=cancelled,
-                caller=caller,
-                held_bytes=held_bytes,
-            )
+            result, total = _batch_sum(served, request.batch, snapshot, settings, charge)
             divisor = request.expected_batch_size or result.batch_size
         gradient = _divided(served, total, divisor)
         stepped = served.trainer.apply(
@@ -109,11 +96,7 @@ def _batch_sum(
     batch: pb.GradientsRequest,
     snapshot: Snapshot,
     settings: Settings,
-    admission: Admission,
-    *,
-    cancelled: Callable[[], bool],
-    caller: str,
-    held_bytes: int,
+    charge: Charge,
 ) -> tuple[GradientResult, Mapping[str, np.ndarray]]:
     """The batch's result at `snapshot`, and its gradient sum."""
     owned = [f for f in _STEP_OWNED if _is_set(batch, f)]
@@ -124,7 +107,7 @@ def _batch_sum(
     if name not in STEP_SUMS:
         raise InvalidArgument(f"batch.reduction: a step applies {sorted(STEP_SUMS)}, got {name}")
     work = dataclasses.replace(work, snapshot=snapshot)
-    result = reduced(work, admission, cancelled=cancelled, caller=caller, held_bytes=held_bytes)
+    result = reduced(work, charge)
     return result, getattr(result, STEP_SUMS[name])
 
 
