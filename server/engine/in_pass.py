@@ -14,8 +14,10 @@ float64 loop stays near float32's epsilon times the number of terms summed per e
   product, sum over t, s of p_s[ids_t] (g_t . h_s) for the projection Outer(p, h): a
   [B, T, T] product, never a [V, D] per example.
 - A weighted sum is one contraction: (w a)^T g as one matrix product over the flattened
-  examples and steps, or a segment sum over ids. (Without XLA `tf.einsum` over a batch
-  axis runs 5-8x slower than the same contraction as a matmul here.)
+  examples and steps, or a segment sum over ids; where the norms formed the per-example
+  matrices, the weights contract those instead (B I J products, not B T I J). (Without
+  XLA `tf.einsum` over a batch axis runs 5-8x slower than the same contraction as a
+  matmul here.)
 """
 
 from __future__ import annotations
@@ -50,12 +52,33 @@ def _narrow_first(a: tf.Tensor, g: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     and [B, T, J] over T runs 1.3-1.7x faster with the narrower side as the result's rows
     here ([J, I] for mnist_cnn's conv1, I=64 and J=16; a LoRA factor's rank) and alike
     where the two are close."""
-    return (g, a) if g.shape[-1] < a.shape[-1] else (a, g)
+    return (g, a) if _g_narrower(a, g) else (a, g)
+
+
+def _g_narrower(a: tf.Tensor, g: tf.Tensor) -> bool:
+    return g.shape[-1] < a.shape[-1]
+
+
+def _formed(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """The per-example matrices, [B, I, J], or [B, J, I] where g is the narrower."""
+    first, second = _narrow_first(a, g)
+    return tf.matmul(first, second, transpose_a=True)
 
 
 def _formed_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    first, second = _narrow_first(a, g)
-    return tf.reduce_sum(tf.square(tf.matmul(first, second, transpose_a=True)), [1, 2])
+    return tf.reduce_sum(tf.square(_formed(a, g)), [1, 2])
+
+
+def _formed_outer(grad: Grad | None) -> tf.Tensor | None:
+    """An Outer gradient's per-example matrices (`_formed`) where its norms form them,
+    T known and over 1, else None: a clipped sum then weighs those, B I J products,
+    rather than the factors again, B T I J."""
+    if not isinstance(grad, Outer):
+        return None
+    steps, inputs, outputs = grad.a.shape[1], grad.a.shape[2], grad.g.shape[2]
+    if steps is None or steps == 1 or steps * (inputs + outputs) < inputs * outputs:
+        return None
+    return _formed(tf.cast(grad.a, tf.float32), tf.cast(grad.g, tf.float32))
 
 
 def _outer_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -108,7 +131,7 @@ def weighted_sum(grad: Grad, weights: tf.Tensor, shape: Sequence[int]) -> tf.Ten
         )
     if isinstance(grad, Outer):  # the weights scale the narrower factor: fewer products
         a, g = tf.cast(grad.a, tf.float32), tf.cast(grad.g, tf.float32)
-        if g.shape[-1] < a.shape[-1]:
+        if _g_narrower(a, g):
             g = g * weights[:, None, None]
         else:
             a = a * weights[:, None, None]
@@ -132,15 +155,32 @@ def reduce(
     the pass's real examples and 0 for its padding, which adds nothing to a sum. A
     gradient of None (a layer the forward pass never called) is zero."""
     zero = tf.zeros_like(rows)
-    squares = tf.stack(
-        [zero if grads[i] is None else squared_norms(grads[i]) for i in spec.positions]
-    )
+    formed = {i: _formed_outer(grads[i]) for i in spec.positions}
+    squares = tf.stack([_squares(grads[i], formed[i], zero) for i in spec.positions])
     if not spec.clip:
         return {"squares": squares}
     norms = tf.sqrt(tf.reduce_sum(squares, 0))
     scale = clip_factors(norms, max_norm, ops=tf.math) * rows
-    sums = [
-        tf.zeros(shapes[i]) if grads[i] is None else weighted_sum(grads[i], scale, shapes[i])
-        for i in spec.positions
-    ]
+    sums = [_clipped_sum(grads[i], formed[i], scale, shapes[i]) for i in spec.positions]
     return {"squares": squares, "sums": sums}
+
+
+def _squares(grad: Grad | None, formed: tf.Tensor | None, zero: tf.Tensor) -> tf.Tensor:
+    """||grad_b||^2, from its formed matrices where its norms form them."""
+    if grad is None:
+        return zero
+    return squared_norms(grad) if formed is None else tf.reduce_sum(tf.square(formed), [1, 2])
+
+
+def _clipped_sum(
+    grad: Grad | None, formed: tf.Tensor | None, scale: tf.Tensor, shape: Sequence[int]
+) -> tf.Tensor:
+    """sum_b scale_b grad_b, from its formed matrices where its norms formed them."""
+    if grad is None:
+        return tf.zeros(shape)
+    if formed is None:
+        return weighted_sum(grad, scale, shape)
+    total = tf.tensordot(scale, formed, 1)  # [I, J], or [J, I] where g is the narrower
+    if isinstance(grad, Outer) and _g_narrower(grad.a, grad.g):
+        total = tf.transpose(total)
+    return tf.reshape(total, shape)

@@ -39,6 +39,7 @@ CASES = {
     "outer_one_step": lambda: _outer(1, 7, 5),
     "outer_gram": lambda: _outer(2, 40, 30),  # T (I + J) < I J
     "outer_formed": lambda: _outer(20, 3, 4),  # T (I + J) >= I J
+    "outer_formed_g_narrower": lambda: _outer(20, 4, 3),
     "scatter": lambda: Scatter(
         tf.constant(rng.integers(0, 11, (B, 9)), tf.int32),
         tf.constant(rng.standard_normal((B, 9, 4)), tf.float32),
@@ -99,3 +100,18 @@ def test_clipped_sums_scale_each_example_and_leave_out_padding() -> None:
     np.testing.assert_allclose(out["sums"][0].numpy(), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(out["sums"][1].numpy(), np.zeros(5))
     np.testing.assert_array_equal(out["squares"][1].numpy(), np.zeros(B))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_clipped_sums_match_the_formed_gradients(case: str) -> None:
+    """Each algebra's clipped sum (where the norms form the per-example matrices, from
+    those), against the formed gradients clipped and summed in float64."""
+    grad = CASES[case]()
+    formed = _formed(grad)
+    norms = np.sqrt(np.square(formed).reshape(B, -1).sum(1))
+    max_norm = float(np.median(norms))  # some examples clipped, some not
+    rows = tf.ones(B)
+    out = reduce(InPass((0,), clip=True), [grad], [formed.shape[1:]], rows, max_norm)
+    want = np.tensordot(np.minimum(1.0, max_norm / norms), formed, 1)
+    np.testing.assert_allclose(out["sums"][0].numpy(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["squares"][0].numpy(), np.square(norms), rtol=1e-5)
