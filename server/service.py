@@ -20,7 +20,7 @@ from pergrad.server.metrics import ServerMetrics
 from pergrad.server.model_info import model_info
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.sharing import UNRESOLVED_COALESCING, Coalescers
-from pergrad.server.status import Refusal, parser, request_bytes, status
+from pergrad.server.status import Refusal, parser, status
 from pergrad.server.steps import apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.transport.chunked import RequestBounds, whole_request
@@ -166,7 +166,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     def ComputePerExampleGradients(
         self, request: pb.GradientsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse | bytes]:
-        messages = self._gradients(request, self._charge(context, request_bytes(context, request)))
+        messages = self._gradients(request, self._charge(context))
         yield from tracked(self.metrics, request, messages, context)
 
     @status
@@ -190,8 +190,7 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     @status
     def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
         served = self._registry.get(request.model)
-        charge = self._charge(context, request_bytes(context, request))
-        step = apply_step(served, request, self._settings, charge)
+        step = apply_step(served, request, self._settings, self._charge(context))
         snapshot = step.snapshot
         self.metrics.weights_updated(served.name, snapshot.version)
         response = pb.StepResponse(
@@ -209,12 +208,13 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
                 response.num_clipped = int(step.result.num_clipped)
         return response
 
-    def _charge(self, context: grpc.ServicerContext, held_bytes: int = 0) -> Charge:
+    def _charge(self, context: grpc.ServicerContext) -> Charge:
         """What the call's work is charged to: its caller, the bytes the guard holds for
-        it since its arrival (a one-request call's message; a stream's are not held);
+        it since its arrival (a one-request call's request; a stream's are not held);
         and stopped by: the call's end."""
+        record = calls.of(context)
         return Charge(
-            self._admission, lambda: not context.is_active(), calls.of(context).caller, held_bytes
+            self._admission, lambda: not context.is_active(), record.caller, record.held_bytes
         )
 
     def _gradients(

@@ -60,13 +60,6 @@ class RefusedRequest:
     model: str | None = None
 
 
-def request_bytes(context: grpc.ServicerContext, request: Message) -> int:
-    """The call's request size as the guard read it (`calls.Call`), else as protobuf
-    counts it: upb's `ByteSize()` serializes the message again (56 ms for 57 MiB, holding
-    the GIL every other call waits for)."""
-    return calls.of(context).request_bytes or request.ByteSize()
-
-
 # Refusals for what a request held, not for the server's state (a busy server's
 # RESOURCE_EXHAUSTED, a pin's FAILED_PRECONDITION): marked on the call's record, so that
 # its bytes count against its caller's budget (`guard`, a windowed `budgets.Budget`).

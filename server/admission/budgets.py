@@ -54,15 +54,20 @@ class Budget:
         self._charges: dict[str, deque[list[int]]] = {}  # windowed: [second, amount]
         self._lock = threading.Lock()
 
+    def check_alone(self, amount: int, own: int = 0) -> None:
+        """Refuse an amount no call could ever hold, whatever others hold: a refusal for
+        what the call holds, not a busy server's."""
+        if self.capacity is not None and own + amount > self.capacity:
+            raise RequestTooLarge(
+                f"call needs {own + amount} {self._unit.what} held; this server admits at "
+                f"most {self.capacity} ({self._unit.flag}): send smaller batches"
+            )
+
     def take(self, amount: int, caller: str = "", *, own: int = 0) -> Callable[[], None]:
         """Hold `amount` until the returned function is called, or refuse at once: the
         call's `own` units, held already, are not another call's."""
+        self.check_alone(amount, own)
         unit = self._unit
-        if self.capacity is not None and own + amount > self.capacity:
-            raise RequestTooLarge(
-                f"call needs {own + amount} {unit.what} held; this server admits at most "
-                f"{self.capacity} ({unit.flag}): send smaller batches"
-            )
         with self._lock:
             mine = self._by_caller[caller]
             if self.per_caller is not None and mine > own and mine + amount > self.per_caller:

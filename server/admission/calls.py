@@ -19,6 +19,7 @@ import grpc
 class Call:
     caller: str  # its token's digest where the server has tokens, else its connection
     request_bytes: int = 0  # the latest request's size on the wire; 0: none read yet
+    held_bytes: int = 0  # what the guard holds for its one request, from its arrival
     refused_for_content: bool = False  # malformed, naming what is not served, too large
 
     def reading(self, parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:

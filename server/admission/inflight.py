@@ -31,18 +31,21 @@ class Admission:
         self, examples: int, nbytes: int, caller: str = "", request_bytes: int = 0
     ) -> Iterator[None]:
         """Hold `examples` and `nbytes` of result for the block, or refuse at once (the
-        call's own `request_bytes`, held already, are not another call's)."""
-        give_examples = self.examples.take(examples)
+        call's own `request_bytes`, held already, are not another call's): a call too
+        large for either bound is told so before a busy one is."""
+        self.examples.check_alone(examples)
+        self.bytes.check_alone(nbytes, own=request_bytes)
+        give_bytes = self.bytes.take(nbytes, caller, own=request_bytes)
         try:
-            give_bytes = self.bytes.take(nbytes, caller, own=request_bytes)
+            give_examples = self.examples.take(examples)
         except BaseException:
-            give_examples()
+            give_bytes()
             raise
         try:
             yield
         finally:
-            give_bytes()
             give_examples()
+            give_bytes()
 
     def hold(self, nbytes: int, caller: str = "") -> Callable[[], None]:
         """Hold a request's `nbytes` until the returned function is called, or refuse."""

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pergrad.server.admission import calls
-from pergrad.server.errors import Cancelled, InvalidArgument, RequestTooLarge, over_max_batch
+from pergrad.server.errors import (
+    Cancelled,
+    InvalidArgument,
+    PergradServerError,
+    RequestTooLarge,
+    over_max_batch,
+)
 from pergrad.server.status import RefusedRequest
 from pergrad.wire.chunked_requests import Chunked
 from pergrad.wire.codec import CodecError
@@ -47,7 +53,7 @@ def whole_request(
         chunked = _within_bounds(Chunked(first), received, bounds)
         hold(received + chunked.nbytes)
         began = time.monotonic()
-        while not chunked.complete and (message := next(rest, None)) is not None:
+        while not chunked.complete and (message := _next(rest)) is not None:
             received += call.request_bytes  # as read (its deserializer's record)
             if isinstance(message, RefusedRequest):
                 raise message.error
@@ -62,6 +68,15 @@ def whole_request(
         raise InvalidArgument(f"{type(first).__name__} in chunks: {err}") from None
     finally:
         call.request_bytes = received
+
+
+def _next(rest: Iterator[Any]) -> Any:
+    """The next message, or None; one that did not parse a RefusedRequest, however the
+    iterator gives it (a stream's servicer raises it), so that its bytes are charged."""
+    try:
+        return next(rest, None)
+    except PergradServerError as err:
+        return RefusedRequest(err)
 
 
 def _within_bounds(chunked: Chunked, first_bytes: int, bounds: RequestBounds) -> Chunked:

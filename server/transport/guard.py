@@ -272,21 +272,23 @@ class CallGuard(grpc.ServerInterceptor):
         (`chunked.whole_request`); a refusal on the way handed to the servicer to answer."""
         if call is None or not isinstance(first, Message):
             return first  # an open service's, or malformed: its handler refuses it
-        hold = functools.partial(self._hold, caller=call.caller, context=context)
+        hold = functools.partial(self._hold, call=call, context=context)
         try:
             return whole_request(first, rest, call=call, bounds=self._bounds, hold=hold)
         except PergradServerError as err:
             return RefusedRequest(err, model=getattr(first, "model", None))
 
-    def _hold(self, nbytes: int, caller: str, context: grpc.ServicerContext) -> None:
+    def _hold(self, nbytes: int, call: calls.Call, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end
-        (`Admission.hold`): calls queued for a worker hold their requests too."""
+        (`Admission.hold`), kept on its record: calls queued for a worker hold their
+        requests too."""
         if self._admission is None:
             return
         try:
-            release = self._admission.hold(nbytes, caller)
+            release = self._admission.hold(nbytes, call.caller)
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        call.held_bytes = nbytes
         if not context.add_callback(release):
             release()
 

@@ -1396,14 +1396,18 @@ def _at_the_limit(limit: int, **fields: Any) -> bytes:
 
 
 def _codes_until_barred(
-    running: RunningServer, request: bytes, *chunks: bytes, charged: int = 0
+    running: RunningServer,
+    request: bytes,
+    *chunks: bytes,
+    charged: int = 0,
+    method: str = "ComputePerExampleGradients",
 ) -> list[tuple[grpc.StatusCode, str]]:
-    """The codes and messages of the calls a connection of its own sends with `request`
-    (and its `chunks`, if it comes in chunks: then `charged` bytes), until one is refused
-    unread, for as many as would pass the budget and one more."""
+    """The codes and messages of the calls of `method` a connection of its own sends with
+    `request` (and its `chunks`, if it comes in chunks: then `charged` bytes), until one
+    is refused unread, for as many as would pass the budget and one more."""
     codes = []
     with grpc.insecure_channel(_target(running), options=OWN_CONNECTION) as channel:
-        call = channel.stream_stream(SERVICE + "ComputePerExampleGradients")
+        call = channel.stream_stream(SERVICE + method)
         for _ in range(REFUSED_BYTES // (charged or len(request)) + 2):
             err = _raw_call_error(call(iter([request, *chunks]), timeout=30))
             codes.append((err.code(), err.details()))
@@ -1456,23 +1460,34 @@ def test_a_caller_whose_refused_requests_pass_its_budget_is_refused_unread(
         running.stop(0)
 
 
-@pytest.mark.parametrize("ending", ["whole", "an empty message for its last chunk"])
+@pytest.mark.parametrize(
+    ("ending", "method"),
+    [
+        ("whole", "ComputePerExampleGradients"),
+        ("an empty message for its last chunk", "ComputePerExampleGradients"),
+        ("a last chunk that does not parse", "ComputePerExampleGradients"),
+        ("a last chunk that does not parse", "StreamPerExampleGradients"),
+    ],
+)
 def test_requests_in_chunks_refused_for_what_they_hold_are_charged_what_they_sent(
-    ending: str,
+    ending: str, method: str
 ) -> None:
     """Requests of 12 MiB sent in chunks, refused for what they hold (their labels short,
     or a message out of place ending them): each is charged every message it sent, as
     many bytes as it sent, so that chunks pass no more bytes through the budget than one
-    message would."""
+    message would; on a call of one request and on a stream alike."""
     running = _start(max_request_bytes=16 << 20)
     try:
         request = pb.GradientsRequest.FromString(_labels_short(12 << 20))
         first, *chunks = in_chunks(request)
-        if ending != "whole":
+        if ending == "an empty message for its last chunk":
             chunks[-1] = b""
+        elif ending == "a last chunk that does not parse":  # 3.5 MB: it shows in the count
+            large = pb.GradientsRequest(labels=tensor_pb2.Tensor(content=bytes(3_500_000)))
+            chunks[-1] = _unparseable(large)
         header = first.SerializeToString()
         charged = len(header) + sum(len(chunk) for chunk in chunks)
-        codes = _codes_until_barred(running, header, *chunks, charged=charged)
+        codes = _codes_until_barred(running, header, *chunks, charged=charged, method=method)
         assert {c for c, _ in codes[:-1]} == {grpc.StatusCode.INVALID_ARGUMENT}
         assert "refused unread" in codes[-1][1]
         assert len(codes) - 1 == REFUSED_BYTES // charged + 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.errors import ResourceExhausted
+from pergrad.server.errors import RequestTooLarge, ResourceExhausted
 
 BYTES = 1000
 
@@ -66,3 +66,19 @@ def test_calls_holding_no_bytes_come_and_go(admission) -> None:
         release()
     with admission.admit(1, BYTES, "one"):
         pass
+
+
+def test_a_call_that_could_never_run_says_so_while_the_server_is_busy(admission) -> None:
+    """Too large for one bound while another is full: refused for what it holds (send
+    smaller batches, charged as such), not told to retry a busy server."""
+    refused = pytest.raises(RequestTooLarge, match="smaller")
+    with admission.admit(100, 0, "one"), refused, admission.admit(1, BYTES + 1, "other"):
+        pass
+
+
+def test_a_caller_over_its_share_is_told_so_while_the_examples_are_full(admission) -> None:
+    release = admission.hold(BYTES // 2, "greedy")
+    refused = pytest.raises(ResourceExhausted, match="half")
+    with admission.admit(100, 0, "other"), refused, admission.admit(1, 1, "greedy"):
+        pass
+    release()
