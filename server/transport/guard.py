@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -134,7 +135,8 @@ class CallGuard(grpc.ServerInterceptor):
         if places is None:
             return refusal(handler.response_streaming, refusing(open_service))
         call = None if open_service else calls.Call(token or "")
-        guarded = self._guarded(behavior, method, handler, places, watch, call)
+        arrival = _Arrival(handler, method, places, call)
+        guarded = self._watch_handler(arrival) if watch else self._guarded(arrival)
         if open_service:
             run_on(guarded, self._watch_pool if watch else self._open_pool)
         deserializer = handler.request_deserializer
@@ -143,84 +145,61 @@ class CallGuard(grpc.ServerInterceptor):
             return replaced(handler, guarded, request_deserializer=parse)
         return as_request_stream(handler, guarded, parse)
 
-    def _guarded(
-        self,
-        behavior: Callable[..., Any],
-        method: str,
-        handler: grpc.RpcMethodHandler,
-        places: list[Place],
-        watch: bool,
-        call: calls.Call | None,
-    ) -> Callable[..., Any]:
-        """The call's behaviour, holding its places until it ends (a Watch holds no
-        thread once its request is read), and a call to another open service (`call`
-        None) one of its connection's share (`_open_share`)."""
-        waiting = places[0] if call is None else None
-        if watch:
-            return self._watch_handler(behavior, method, places, waiting)
+    def _guarded(self, arrival: _Arrival) -> Callable[..., Any]:
+        """The call's behaviour, holding its places until it ends, and a call to an open
+        service (no record) one of its connection's share (`_open_share`)."""
+        call = arrival.call
 
         def handle(iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            for place in places:
+            for place in arrival.places:
                 place.hold_until_done(context)
             if call is None:
-                self._open_share(places[0], context)
-                return self._serve(behavior, handler, method, waiting, iterator, context)
+                self._open_share(arrival.places[0], context)
+                return self._serve(arrival, iterator, context)
             call.caller = call.caller or context.peer()  # no token: its connection
-            self._within_refused_budget(call.caller, method, context)
+            self._within_refused_budget(call.caller, arrival.method, context)
             try:
-                return self._serve(behavior, handler, method, waiting, iterator, context, call)
+                return self._serve(arrival, iterator, context)
             except BaseException:
                 self._count(call)
                 raise
 
         return handle
 
-    def _watch_handler(
-        self,
-        behavior: Callable[..., Any],
-        method: str,
-        places: list[Place],
-        waiting: Place | None,
-    ) -> Callable[..., Any]:
+    def _watch_handler(self, arrival: _Arrival) -> Callable[..., Any]:
         """A non-blocking handler (health Watch): its places held until the call ends,
         its thread given back once its request is read."""
 
         def handle_watch(
             iterator: Iterator[Any], context: grpc.ServicerContext, send: Callable[..., None]
         ) -> None:
-            for place in places:
+            for place in arrival.places:
                 place.hold_until_done(context)
-            request = TimedCall(self._timer, context, method, waiting).one_request(iterator)
-            return behavior(request, context, send)
+            timed = TimedCall(self._timer, context, arrival.method, arrival.waiting)
+            return arrival.behavior(timed.one_request(iterator), context, send)
 
         non_blocking(handle_watch)
         return handle_watch
 
     def _serve(
-        self,
-        behavior: Callable[..., Any],
-        handler: grpc.RpcMethodHandler,
-        method: str,
-        waiting: Place | None,
-        iterator: Iterator[Any],
-        context: grpc.ServicerContext,
-        call: calls.Call | None = None,
+        self, arrival: _Arrival, iterator: Iterator[Any], context: grpc.ServicerContext
     ) -> Any:
-        """The call served under the stall timer, its record (`call`: calls to the
-        service) kept current and handed to the servicer on its context, its request
-        priced and a worker's place taken."""
-        timed = TimedCall(self._timer, context, method, waiting)
+        """The call served under the stall timer, its record (calls to the service) kept
+        current and handed to the servicer on its context, its request priced and a
+        worker's place taken."""
+        handler, call = arrival.handler, arrival.call
+        timed = TimedCall(self._timer, context, arrival.method, arrival.waiting)
         served = context if call is None else calls.Context(context, call)
         if handler.request_streaming:
             if call is not None:
                 self._workers.wait_for(None, context)
-            result = behavior(timed.requests(iterator), served)
+            result = arrival.behavior(timed.requests(iterator), served)
         else:
             whole = functools.partial(self._whole, call=call, context=context)
             request = timed.one_request(iterator, whole)
             if call is not None:
                 self._workers.wait_for(call.caller, context)
-            result = behavior(request, served)
+            result = arrival.behavior(request, served)
         if not handler.response_streaming:
             return result
         on_error = functools.partial(self._count, call) if call is not None else _nothing
@@ -291,6 +270,26 @@ class CallGuard(grpc.ServerInterceptor):
         call.held_bytes = nbytes
         if not context.add_callback(release):
             release()
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """A call the guard admitted, as it arrived: its handler and method, the places it
+    holds, and its record (None for a call to an open service, which has none)."""
+
+    handler: grpc.RpcMethodHandler
+    method: str
+    places: list[Place]
+    call: calls.Call | None
+
+    @property
+    def behavior(self) -> Callable[..., Any]:
+        return behavior_of(self.handler)
+
+    @property
+    def waiting(self) -> Place | None:
+        """An open call's place, which it may lose while it waits on its client."""
+        return self.places[0] if self.call is None else None
 
 
 def _nothing() -> None:
