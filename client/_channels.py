@@ -148,6 +148,7 @@ class Replicas:
         self._target, self._options, self._security = target, options, security
         self._methods = methods
         self._channels: list[grpc.Channel] = []
+        self._each: list[Methods] = []
 
     @functools.cached_property
     def addresses(self) -> list[str]:
@@ -162,7 +163,8 @@ class Replicas:
                 open_channel(a, self._options, self._security, replica_of=self._target)
                 for a in self.addresses
             ]
-        return [Methods(c) for c in self._channels]
+            self._each = [Methods(c) for c in self._channels]
+        return self._each
 
     def close(self) -> None:
         for channel in self._channels:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import tensorflow as tf
 
@@ -59,6 +60,12 @@ def _g_narrower(a: tf.Tensor, g: tf.Tensor) -> bool:
     return g.shape[-1] < a.shape[-1]
 
 
+def _ghost(steps: Any, inputs: int, outputs: int) -> Any:
+    """Whether the Gram matrices cost less than the per-example matrices: T (I + J) < I J
+    (`steps` a number, or a tensor where T is known only at run time)."""
+    return steps * (inputs + outputs) < inputs * outputs
+
+
 def _formed(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     """The per-example matrices, [B, I, J], or [B, J, I] where g is the narrower."""
     first, second = _narrow_first(a, g)
@@ -76,7 +83,7 @@ def _formed_outer(grad: Grad | None) -> tf.Tensor | None:
     if not isinstance(grad, Outer):
         return None
     steps, inputs, outputs = grad.a.shape[1], grad.a.shape[2], grad.g.shape[2]
-    if steps is None or steps == 1 or steps * (inputs + outputs) < inputs * outputs:
+    if steps is None or steps == 1 or _ghost(steps, inputs, outputs):
         return None
     return _formed(tf.cast(grad.a, tf.float32), tf.cast(grad.g, tf.float32))
 
@@ -88,9 +95,8 @@ def _outer_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
     if steps == 1:
         return tf.reduce_sum(tf.square(a[:, 0]), 1) * tf.reduce_sum(tf.square(g[:, 0]), 1)
     if steps is not None:
-        ghost = steps * (inputs + outputs) < inputs * outputs
-        return _gram_norms(a, g) if ghost else _formed_norms(a, g)
-    ghost = tf.shape(a)[1] * (inputs + outputs) < inputs * outputs
+        return _gram_norms(a, g) if _ghost(steps, inputs, outputs) else _formed_norms(a, g)
+    ghost = _ghost(tf.shape(a)[1], inputs, outputs)
     return tf.cond(ghost, lambda: _gram_norms(a, g), lambda: _formed_norms(a, g))
 
 
