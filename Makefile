@@ -84,6 +84,7 @@ bench: install
 	$(PY) benchmarks/zoo.py
 	$(PY) benchmarks/reductions.py
 	$(PY) benchmarks/conv_norms.py
+	$(PY) benchmarks/in_pass.py
 	$(PY) benchmarks/project_seeds.py
 	$(PY) benchmarks/transport.py
 	$(PY) benchmarks/latency.py
