@@ -65,6 +65,7 @@ from pergrad.server.main import build_registry
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.sharing import granule_for
 from pergrad.v1 import gradient_service_pb2 as pb
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.chunks import serialize
 
 MODES: dict[str, dict[str, Any]] = {
@@ -157,7 +158,7 @@ class Phases:
 
     def prepare(self) -> Work:
         request = pb.GradientsRequest.FromString(self.request)
-        return prepare(self.served, request, self.settings)
+        return prepare(self.served, Whole(request), self.settings)
 
     def compute(self) -> object:
         work = self.work

@@ -31,8 +31,9 @@ from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import NONE
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.chunks import RawChunk, encode_chunk
-from pergrad.wire.codec import decode_tensor, iter_raw_chunks, wire_bytes
+from pergrad.wire.codec import iter_raw_chunks, wire_bytes
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 from pergrad.wire.terms import CheckedOptions
@@ -74,40 +75,51 @@ class Work:
         return dtype_named(name) if name else None
 
 
-def _decode(tensor: tensor_pb2.Tensor, what: str, max_batch: int) -> np.ndarray:
-    """An array viewing the tensor's bytes, its batch size checked before anything else."""
+def _decode(
+    request: Whole, tensor: tensor_pb2.Tensor, name: str, max_batch: int, what: str = ""
+) -> np.ndarray:
+    """The tensor's array (`Whole.array`), its batch size checked before anything else."""
     if tensor.shape and tensor.shape[0] > max_batch:
-        raise over_max_batch(what, tensor.shape[0], max_batch)
-    return decode_tensor(tensor, what=what)
+        raise over_max_batch(what or name, tensor.shape[0], max_batch)
+    return request.array(tensor, name, what=what)
 
 
 def _decode_batch(
-    request: pb.GradientsRequest, max_batch: int
+    request: Whole, max_batch: int
 ) -> tuple[np.ndarray | dict[str, np.ndarray], np.ndarray]:
-    """Inputs (one array, or one per input name) and labels, viewing the request's bytes."""
-    if request.named_inputs and request.HasField("inputs"):
+    """Inputs (one array, or one per input name) and labels, viewing the request's bytes
+    (or the arrays its chunks were read into)."""
+    message = request.message
+    if message.named_inputs and message.HasField("inputs"):
         raise InvalidArgument("inputs: set `inputs` or `named_inputs`, not both")
-    if not request.named_inputs and not request.HasField("inputs"):
+    if not message.named_inputs and not message.HasField("inputs"):
         raise InvalidArgument("inputs: missing")
-    if not request.HasField("labels"):
+    if not message.HasField("labels"):
         raise InvalidArgument("labels: missing")
     x: np.ndarray | dict[str, np.ndarray]
-    if request.named_inputs:
+    if message.named_inputs:
         x = {
-            name: _decode(tensor, f"inputs[{quoted(name)}]", max_batch)
-            for name, tensor in request.named_inputs.items()
+            name: _decode(
+                request,
+                tensor,
+                f"named_inputs[{quoted(name)}]",
+                max_batch,
+                f"inputs[{quoted(name)}]",
+            )
+            for name, tensor in message.named_inputs.items()
         }
     else:
-        x = _decode(request.inputs, "inputs", max_batch)
-    return x, _decode(request.labels, "labels", max_batch)
+        x = _decode(request, message.inputs, "inputs", max_batch)
+    return x, _decode(request, message.labels, "labels", max_batch)
 
 
-def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Settings) -> Work:
+def prepare(served: ServedModel, request: Whole, settings: Settings) -> Work:
     """Everything about `request` that can be refused, refused before any work."""
     asked = parse_request(request)
     engine = served.engine
     batch = engine.batch(*_decode_batch(request, settings.max_batch), cast_dtypes=False)
-    snapshot = served.weights.get(request.model_version, request.weights_id)
+    message = request.message
+    snapshot = served.weights.get(message.model_version, message.weights_id)
     selected = engine.passes.select(asked.variables)
     expected = expected_outputs(
         asked.reduction,
@@ -118,7 +130,7 @@ def prepare(served: ServedModel, request: pb.GradientsRequest, settings: Setting
     variables = {v.name: v.dtype for v in selected}
     wire = asked.options.get("wire_dtype")
     outputs = [(e, e.dtype(variables, wire, engine.loss_dtype)) for e in expected]
-    return Work(served, asked, batch, snapshot, outputs, request.inline_result)
+    return Work(served, asked, batch, snapshot, outputs, message.inline_result)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from pergrad.server.transport.handlers import kind
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.chunks import serialize
 from pergrad.wire.codec import (
     TensorAssembler,
@@ -164,31 +165,29 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
 
     @status
     def ComputePerExampleGradients(
-        self, request: pb.GradientsRequest, context: grpc.ServicerContext
+        self, request: Whole, context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse | bytes]:
+        """`request` read whole by the guard, its chunks assembled (`whole_request`)."""
         messages = self._gradients(request, self._charge(context))
-        yield from tracked(self.metrics, request, messages, context)
+        yield from tracked(self.metrics, request.message, messages, context)
 
     @status
     def StreamPerExampleGradients(
         self, request_iterator: Iterator[pb.GradientsRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.GradientsResponse | bytes]:
-        for request in request_iterator:
+        for first in request_iterator:
             try:
                 request = whole_request(
-                    request,
-                    request_iterator,
-                    call=calls.of(context),
-                    bounds=self._bounds,
+                    first, request_iterator, call=calls.of(context), bounds=self._bounds
                 )
                 messages = self._gradients(request, self._charge(context))
-                yield from tracked(self.metrics, request, messages, context)
+                yield from tracked(self.metrics, first, messages, context)
             except PergradServerError as err:  # the request named by its id
-                raise type(err)(f"request {request.request_id}: {err}") from err
+                raise type(err)(f"request {first.request_id}: {err}") from err
 
     @_counted_as_update
     @status
-    def ApplyStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
+    def ApplyStep(self, request: Whole, context: grpc.ServicerContext) -> pb.StepResponse:
         served = self._registry.get(request.model)
         step = apply_step(served, request, self._settings, self._charge(context))
         snapshot = step.snapshot
@@ -217,16 +216,14 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
             self._admission, lambda: not context.is_active(), record.caller, record.held_bytes
         )
 
-    def _gradients(
-        self, request: pb.GradientsRequest, charge: Charge
-    ) -> Iterator[pb.GradientsResponse | bytes]:
+    def _gradients(self, request: Whole, charge: Charge) -> Iterator[pb.GradientsResponse | bytes]:
         """The responses to one request."""
         served = self._registry.get(request.model)
         work = prepare(served, request, self._settings)
         coalescer = None
         if self._coalescers is not None:
             coalescer = self._coalescers.get(served.name, served.engine)
-        yield from responses(work, request.request_id, self._settings, charge, coalescer)
+        yield from responses(work, request.message.request_id, self._settings, charge, coalescer)
 
 
 def add_to_server(

@@ -32,6 +32,7 @@ from pergrad.server.metrics import ServerMetrics
 from pergrad.server.transport.interceptors import ended_by_client
 from pergrad.wire.casting import CastError
 from pergrad.wire.catalogue import OptionError
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.codec import CodecError
 
 _LOGGER = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def _well_formed(request: Any) -> Any:
     """The request, or each request of a stream, refused if its bytes did not parse."""
     if isinstance(request, RefusedRequest):
         raise request.error
-    if isinstance(request, Message):
+    if isinstance(request, Message | Whole):
         return request
     return (_well_formed(item) for item in request)
 

@@ -22,9 +22,8 @@ from pergrad.server.gradients import Charge, Settings, prepare, reduced
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
-from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import STEP_SUMS
-from pergrad.wire.codec import decode_tensor
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.results import GradientResult
 from pergrad.wire.text import quoted
 
@@ -43,12 +42,9 @@ class Step:
     moved: dict[str, float]  # ||new - old|| by variable name
 
 
-def apply_step(
-    served: ServedModel,
-    request: pb.StepRequest,
-    settings: Settings,
-    charge: Charge,
-) -> Step:
+def apply_step(served: ServedModel, whole: Whole, settings: Settings, charge: Charge) -> Step:
+    """The step `whole` (a StepRequest) asks for, applied and made current."""
+    request = whole.message
     learning_rate, given = _checked(request)
     cancelled = charge.cancelled
     with served.trainer.turn(cancelled):
@@ -56,10 +52,10 @@ def apply_step(
         result: GradientResult | None = None
         total: Mapping[str, np.ndarray]
         if given:
-            total = _given_sum(served, request.gradient_sum)
+            total = _given_sum(served, whole)
             divisor = request.expected_batch_size
         else:
-            result, total = _batch_sum(served, request.batch, snapshot, settings, charge)
+            result, total = _batch_sum(served, whole.part("batch"), snapshot, settings, charge)
             divisor = request.expected_batch_size or result.batch_size
         gradient = _divided(served, total, divisor)
         stepped = served.trainer.apply(
@@ -93,13 +89,13 @@ def _checked(request: pb.StepRequest) -> tuple[float, bool]:
 
 def _batch_sum(
     served: ServedModel,
-    batch: pb.GradientsRequest,
+    batch: Whole,
     snapshot: Snapshot,
     settings: Settings,
     charge: Charge,
 ) -> tuple[GradientResult, Mapping[str, np.ndarray]]:
     """The batch's result at `snapshot`, and its gradient sum."""
-    owned = [f for f in _STEP_OWNED if _is_set(batch, f)]
+    owned = [f for f in _STEP_OWNED if _is_set(batch.message, f)]
     if owned:
         raise InvalidArgument(f"batch: {owned} are the step's own; leave them unset in batch")
     work = prepare(served, batch, settings)
@@ -116,14 +112,12 @@ def _is_set(message: pb.GradientsRequest, field: str) -> bool:
     return bool(len(value)) if field == "variables" else bool(value)
 
 
-def _given_sum(
-    served: ServedModel, tensors: Mapping[str, tensor_pb2.Tensor]
-) -> dict[str, np.ndarray]:
-    """The sum a caller gives: float32 (whatever the variables' dtypes), one tensor of
-    each variable's shape."""
+def _given_sum(served: ServedModel, request: Whole) -> dict[str, np.ndarray]:
+    """The sum a StepRequest gives: float32 (whatever the variables' dtypes), one tensor
+    of each variable's shape."""
     arrays = {
-        name: decode_tensor(tensor, what=f"gradient_sum[{quoted(name)}]")
-        for name, tensor in tensors.items()
+        name: request.array(tensor, f"gradient_sum[{quoted(name)}]")
+        for name, tensor in request.message.gradient_sum.items()
     }
     wrong = sorted(name for name, a in arrays.items() if a.dtype != np.float32)
     if wrong:

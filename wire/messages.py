@@ -23,7 +23,8 @@ from pergrad.wire.catalogue import (
     OptionError,
     Reduction,
 )
-from pergrad.wire.codec import CodecError, decode_tensor, encode_tensor, wire_dtype
+from pergrad.wire.chunked_requests import Whole
+from pergrad.wire.codec import CodecError, encode_tensor, wire_dtype
 from pergrad.wire.results import GradientResult
 from pergrad.wire.text import quoted
 
@@ -112,11 +113,11 @@ def _is_set(request: pb.GradientsRequest, field: str) -> bool:
     return bool(getattr(request, field))
 
 
-def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
-    value = getattr(request, option.field)
+def _get_option(request: Whole, option: Option) -> Any:
+    value = getattr(request.message, option.field)
     if option.kind == "tensors":  # cast and checked by the catalogue, as in-process
         return {
-            name: decode_tensor(tensor, what=f"{option.field}[{quoted(name)}]")
+            name: request.array(tensor, f"{option.field}[{quoted(name)}]")
             for name, tensor in value.items()
         }
     if option.kind == "choice":
@@ -124,19 +125,21 @@ def _get_option(request: pb.GradientsRequest, option: Option) -> Any:
     return value
 
 
-def parse_request(request: pb.GradientsRequest, catalogue: Catalogue = CATALOGUE) -> Asked:
+def parse_request(request: pb.GradientsRequest | Whole, catalogue: Catalogue = CATALOGUE) -> Asked:
     """The reduction, variables and checked options of `request` (OptionError or
     CodecError say what is wrong)."""
-    reduction = catalogue.by_number(request.reduction)
+    whole = request if isinstance(request, Whole) else Whole(request)
+    message = whole.message
+    reduction = catalogue.by_number(message.reduction)
     own = {option.field for option in reduction.options}
     others = [o for o in catalogue.options() if o.field not in own]
     raw = {
-        option.name: _get_option(request, option)
+        option.name: _get_option(whole, option)
         for option in [*reduction.options, *others]
-        if _is_set(request, option.field)
+        if _is_set(message, option.field)
     }
     options = catalogue.check_options(reduction, raw)
-    return Asked(reduction, list(request.variables) or None, options)
+    return Asked(reduction, list(message.variables) or None, options)
 
 
 def result_header(

@@ -20,7 +20,7 @@ from pergrad.server.errors import (
     over_max_batch,
 )
 from pergrad.server.status import RefusedRequest
-from pergrad.wire.chunked_requests import Chunked
+from pergrad.wire.chunked_requests import Chunked, Whole
 from pergrad.wire.codec import CodecError
 
 
@@ -41,10 +41,10 @@ def whole_request(
     call: calls.Call,
     bounds: RequestBounds,
     hold: Callable[[int], None] = lambda nbytes: None,
-) -> Any:
+) -> Whole:
     """The request `first` begins (its message's bytes on `call`'s record), its chunks
-    read from `rest` (none for a request whose tensors are all inline, or a message of
-    another kind); the record then carries the bytes of every message read, the
+    read from `rest` into arrays (none for a request whose tensors are all inline, or a
+    message of another kind); the record then carries the bytes of every message read, the
     request's size when it is whole (what a refusal for content is charged). Raises
     InvalidArgument for a chunk out of place, RequestTooLarge for a request over a bound
     (from its first message), Cancelled for chunks too slow."""

@@ -60,6 +60,7 @@ from pergrad.server.transport.handlers import (
 )
 from pergrad.server.transport.open_services import open_parser, refusing
 from pergrad.server.transport.stalls import StallTimer, TimedCall
+from pergrad.wire.chunked_requests import comes_in_parts
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 
@@ -248,14 +249,17 @@ class CallGuard(grpc.ServerInterceptor):
     ) -> Any:
         """A call to the service's one request, its bytes held (`_hold`) from its first
         message, which declares them, to the call's end, and its chunks read then
-        (`chunked.whole_request`); a refusal on the way handed to the servicer to answer."""
+        (`chunked.whole_request`: the servicer gets a `Whole` of a request that may come
+        in chunks, any other message as it is); a refusal on the way handed to the
+        servicer to answer."""
         if call is None or not isinstance(first, Message):
             return first  # an open service's, or malformed: its handler refuses it
         hold = functools.partial(self._hold, call=call, context=context)
         try:
-            return whole_request(first, rest, call=call, bounds=self._bounds, hold=hold)
+            whole = whole_request(first, rest, call=call, bounds=self._bounds, hold=hold)
         except PergradServerError as err:
             return RefusedRequest(err, model=getattr(first, "model", None))
+        return whole if comes_in_parts(first) else first
 
     def _hold(self, nbytes: int, call: calls.Call, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end

@@ -8,7 +8,14 @@ import pytest
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
-from pergrad.wire.chunked_requests import Chunked, in_chunks, is_chunk, request_tensors
+from pergrad.wire.chunked_requests import (
+    Chunked,
+    Request,
+    Whole,
+    in_chunks,
+    is_chunk,
+    request_tensors,
+)
 from pergrad.wire.codec import CodecError, encode_tensor
 
 KIB = 1 << 10
@@ -32,7 +39,7 @@ def _parsed(parts: list) -> list:
     return [kind.FromString(p) if isinstance(p, bytes) else p for p in parts]
 
 
-def _filled(parts: list) -> pb.GradientsRequest:
+def _filled(parts: list) -> Whole:
     """The request a receiver makes of the parts, each chunk message with its size."""
     header, *chunks = _parsed(parts)
     whole = Chunked(header)
@@ -40,6 +47,30 @@ def _filled(parts: list) -> pb.GradientsRequest:
         whole.add(message, len(sent))
     assert whole.complete
     return whole.whole()
+
+
+def _tensors(request: Whole) -> dict[str, np.ndarray]:
+    """Every tensor of the request as the server reads it, by name."""
+    return {name: request.array(t, name) for name, t in request_tensors(request.message)}
+
+
+def _without_bytes(message: Request) -> Request:
+    """The message with every tensor's bytes left out, none marked chunked."""
+    copy = type(message)()
+    copy.CopyFrom(message)
+    for _, tensor in request_tensors(copy):
+        tensor.content, tensor.chunked = b"", False
+    return copy
+
+
+def assert_same_request(got: Whole, sent: Request) -> None:
+    """The request as sent, field for field and byte for byte."""
+    tensors, want = _tensors(got), _tensors(Whole(sent))
+    assert list(tensors) == list(want)
+    for name, array in tensors.items():
+        assert (array.dtype, array.shape) == (want[name].dtype, want[name].shape), name
+        assert array.tobytes() == want[name].tobytes(), name
+    assert _without_bytes(got.message) == _without_bytes(sent)
 
 
 def test_a_request_within_the_inline_bytes_travels_as_one_message() -> None:
@@ -60,7 +91,15 @@ def test_a_request_in_chunks_is_filled_back_byte_for_byte() -> None:
     request = _request(300 * KIB, 200 * KIB, zz=120 * KIB, aa=130 * KIB)
     parts = in_chunks(request, inline_bytes=10 * KIB, chunk_bytes=64 * KIB)
     assert len(parts) > 4
-    assert _filled(parts) == request
+    assert_same_request(_filled(parts), request)
+
+
+def test_chunked_tensors_reach_the_server_as_read_only_arrays_not_through_the_message() -> None:
+    """Filling a bytes field and reading it back would copy a large request twice."""
+    whole = _filled(in_chunks(_request(300 * KIB, 8 * KIB), inline_bytes=100 * KIB))
+    assert whole.message.inputs.chunked and not whole.message.inputs.content
+    assert list(whole.arrays) == ["inputs"]
+    assert not whole.array(whole.message.inputs, "inputs").flags.writeable
 
 
 def test_splitting_leaves_the_request_unchanged_for_a_retry() -> None:
@@ -79,7 +118,7 @@ def test_a_step_numbers_its_batch_tensors_before_its_gradient_sum() -> None:
         "batch.labels",
         "gradient_sum['w']",
     ]
-    assert _filled(in_chunks(step, inline_bytes=KIB, chunk_bytes=64 * KIB)) == step
+    assert_same_request(_filled(in_chunks(step, inline_bytes=KIB, chunk_bytes=64 * KIB)), step)
 
 
 def test_declared_bytes_are_known_before_any_chunk() -> None:

@@ -9,13 +9,21 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
+from pergrad.client import GradientClient
 from pergrad.server.main import RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import CATALOGUE
-from pergrad.wire.chunked_requests import MESSAGE_BYTES, MIN_CHUNK_BYTES, in_chunks
+from pergrad.wire.chunked_requests import (
+    MESSAGE_BYTES,
+    MIN_CHUNK_BYTES,
+    in_chunks,
+    request_tensors,
+)
+from pergrad.wire.codec import encode_tensor
 from pergrad.wire.messages import gradients_request
 from tests.helpers import batch_for, loopback_config
 
@@ -87,6 +95,29 @@ def test_a_step_applies_a_batch_sent_in_chunks(channel: grpc.Channel) -> None:
     step.batch.reduction = pb.REDUCTION_MOMENTS
     (reply,) = _call(channel, "ApplyStep", iter(in_chunks(step, inline_bytes=KIB)))
     assert pb.StepResponse.FromString(reply).losses.shape == [512]
+
+
+def test_a_step_applies_a_gradient_sum_sent_in_chunks_bit_for_bit(
+    running: RunningServer, channel: grpc.Channel
+) -> None:
+    """The sum's chunked tensors reach the optimizer as sent: SGD's new weights are the
+    old ones less lr * sum / expected_batch_size, computed in float32 as the server does."""
+    with GradientClient(f"127.0.0.1:{running.port}") as client:
+        version, before = client.get_weights("mnist_mlp")
+        rng = np.random.default_rng(0)
+        sums = {n: rng.standard_normal(w.shape).astype(np.float32) for n, w in before.items()}
+        step = pb.StepRequest(
+            model="mnist_mlp", model_version=version, learning_rate=0.5, expected_batch_size=4
+        )
+        for name, total in sums.items():
+            step.gradient_sum[name].CopyFrom(encode_tensor(total))
+        parts = in_chunks(step, inline_bytes=KIB)
+        assert sum(tensor.chunked for _, tensor in request_tensors(parts[0])) == 2
+        _call(channel, "ApplyStep", iter(parts))
+        _, after = client.get_weights("mnist_mlp")
+    for name, old in before.items():
+        update = np.float32(0.5) * np.divide(sums[name], np.float32(4), dtype=np.float32)
+        np.testing.assert_array_equal(after[name], old - update, err_msg=name)
 
 
 def test_one_message_over_the_fixed_bound_is_refused_whatever_the_models(
