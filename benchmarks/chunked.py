@@ -4,8 +4,9 @@ travel as results and weights do), on one server, raw calls taking turns; median
   one message    the request serialized once, every tensor inline (at most 4 MiB)
   chunks         the same request as `in_chunks` sends it, split beforehand: what the
                  server's reading of its chunks costs
-  split + sent   split by `in_chunks` and sent, as the client does (past 3 MiB inline;
-                 here past 1 MiB, so that both sizes go in chunks)
+  built + sent   the request built as the client builds it (its tensors arrays beside
+                 its message), split by `in_chunks` and sent as the client does (past
+                 3 MiB inline; here past 1 MiB, so that every size goes in chunks)
 
 A request over 4 MiB (B=4096: 12 MiB) travels in chunks only; its row times those alone
 (the server takes up to 64 MiB here; by default, 4 MiB and what one request to a served
@@ -17,6 +18,7 @@ model cannot split: a step's gradient sum, `dot`'s references, one example).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -30,9 +32,8 @@ import numpy as np
 
 from pergrad.client.local import LocalServer
 from pergrad.server.engine.cores import one_blas_thread
-from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import CATALOGUE
-from pergrad.wire.chunked_requests import MESSAGE_BYTES, in_chunks
+from pergrad.wire.chunked_requests import MESSAGE_BYTES, Whole, in_chunks
 from pergrad.wire.messages import gradients_request
 
 METHOD = "/pergrad.v1.GradientService/ComputePerExampleGradients"
@@ -44,14 +45,16 @@ def _serialized(messages: list) -> list[bytes]:
     return [m if isinstance(m, bytes) else m.SerializeToString() for m in messages]
 
 
-def medians(call: Callable, request: pb.GradientsRequest, rounds: int) -> dict[str, float]:
-    """ms of each way of sending `request`, the ways taking turns (a first round warms)."""
-    whole = [request.SerializeToString()]
+def medians(call: Callable, build: Callable[[], Whole], rounds: int) -> dict[str, float]:
+    """ms of each way of sending the request `build` makes, the ways taking turns (a first
+    round warms)."""
+    request = build()
+    whole = [request.inline().SerializeToString()]
     chunks = _serialized(in_chunks(request, inline_bytes=INLINE_BYTES))
     ways: dict[str, Callable[[], list[bytes]]] = {
         "one": lambda: whole,
         "chunks": lambda: chunks,
-        "split": lambda: _serialized(in_chunks(request, inline_bytes=INLINE_BYTES)),
+        "split": lambda: _serialized(in_chunks(build(), inline_bytes=INLINE_BYTES)),
     }
     if len(whole[0]) > MESSAGE_BYTES:
         del ways["one"]  # the server takes no message this large
@@ -81,7 +84,7 @@ def main() -> None:
     one_blas_thread()
     print(
         "| B (mnist_mlp, norms) | request MiB | messages in chunks | one message ms | chunks ms "
-        "| split + sent ms |"
+        "| built + sent ms |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     with (
@@ -96,9 +99,8 @@ def main() -> None:
             x = rng.standard_normal((size, 784)).astype(np.float32)
             y = rng.integers(0, 10, size).astype(np.int32)
             norms = CATALOGUE.get("norms")
-            ms = medians(
-                call, gradients_request("mnist_mlp", x, y, reduction=norms, options={}), args.rounds
-            )
+            build = functools.partial(gradients_request, "mnist_mlp", reduction=norms, options={})
+            ms = medians(call, functools.partial(build, x, y), args.rounds)
             print(
                 f"| {size} | {ms['mib']:.2f} | {ms['messages']:.0f} | {_ms(ms['one'])} | "
                 f"{ms['chunks']:.2f} | {ms['split']:.2f} |"

@@ -154,7 +154,7 @@ class Phases:
 
     def encode(self) -> bytes:
         call = Call.of(self.served.name, **self.options)
-        return call.request(self.info, self.x, self.y).SerializeToString()
+        return call.request(self.info, self.x, self.y).inline().SerializeToString()
 
     def prepare(self) -> Work:
         request = pb.GradientsRequest.FromString(self.request)

@@ -222,7 +222,7 @@ def _request(client: GradientClient, options: dict | None) -> bytes:
     info = client.model_info(MODEL)
     batch = _batch(tuple(info.input.shape[1:]), info.num_classes)
     request = client._call(MODEL, **options).request(info, *batch)
-    return request.SerializeToString()
+    return request.inline().SerializeToString()
 
 
 def engine_child(mode: str, count: int) -> None:

@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 
 from pergrad.client._types import ModelInfo, PergradError, invalid
-from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import CastError, arrays_by_input, cast
 from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.messages import gradients_request
 from pergrad.wire.results import ExpectedOutput, GradientResult, expected_outputs
 
@@ -76,11 +76,10 @@ class Call:
         }
         return dataclasses.replace(self, options=options)
 
-    def request(
-        self, info: ModelInfo, x: Any, y: Any, *, request_id: int = 0
-    ) -> pb.GradientsRequest:
+    def request(self, info: ModelInfo, x: Any, y: Any, *, request_id: int = 0) -> Whole:
         """The request for batch (x, y), cast to the model's dtypes; x is one array, or
-        for a model of several inputs a mapping by input name (or a list in their order)."""
+        for a model of several inputs a mapping by input name (or a list in their order).
+        Its arrays are copied once, as its messages are made (`in_chunks`)."""
         single = len(info.inputs) == 1
         try:
             values = arrays_by_input(x, [i.name for i in info.inputs])
@@ -210,9 +209,10 @@ def rows_of(y: np.ndarray) -> int:
     return int(y.shape[0]) if y.ndim else 0
 
 
-def request_examples(request: pb.GradientsRequest) -> int:
+def request_examples(request: Whole) -> int:
     """The examples a request's labels declare."""
-    return int(request.labels.shape[0]) if request.labels.shape else 0
+    labels = request.message.labels
+    return int(labels.shape[0]) if labels.shape else 0
 
 
 def batch_of(info: ModelInfo, x: Any, y: np.ndarray) -> dict[str, np.ndarray]:

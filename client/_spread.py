@@ -21,8 +21,8 @@ from pergrad.client._types import (
     data_loss,
     from_rpc_error,
 )
-from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import rows
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.results import GradientResult, merge
 
 # A replica that dies mid-call answers UNAVAILABLE; its share goes to another replica.
@@ -33,7 +33,7 @@ def computed(
     compute_call: Callable[..., Any],
     info: ModelInfo,
     call: Call,
-    request: pb.GradientsRequest,
+    request: Whole,
     *,
     retries: int,
     out: GradientResult | None = None,

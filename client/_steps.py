@@ -16,8 +16,10 @@ from pergrad.client._types import ModelInfo, PergradError, answer_checked, inval
 from pergrad.client._weights import WeightsWriter
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import STEP_SUMS
-from pergrad.wire.codec import decode_tensor, encode_tensor
+from pergrad.wire.chunked_requests import Whole
+from pergrad.wire.codec import announced_tensor, decode_tensor
 from pergrad.wire.results import GradientResult
+from pergrad.wire.text import quoted
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,10 @@ def on_one(
 ) -> StepResult:
     """The whole step in one ApplyStep: the batch goes, the weights stay on the server.
     `call` is the batch's part (`step_call`)."""
-    step.batch.CopyFrom(call.request(info, x, y))
-    reply = stub_call(step, timeout=timeout)
+    batch = call.request(info, x, y)
+    step.batch.CopyFrom(batch.message)  # its tensors announced: their bytes are arrays
+    arrays = {f"batch.{name}": array for name, array in batch.arrays.items()}
+    reply = stub_call(Whole(step, arrays), timeout=timeout)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
         norms = decode_tensor(reply.norms, what="norms") if reply.HasField("norms") else None
@@ -109,14 +113,17 @@ def on_all(
     """Every replica applies the same sum (of `result`, computed on any of them at its
     weights) with one new version, pinned to the weights the sum was computed with."""
     total = getattr(result, STEP_SUMS[call.reduction.name])
+    arrays = {}
     for name, array in total.items():
-        step.gradient_sum[name].CopyFrom(encode_tensor(np.ascontiguousarray(array, np.float32)))
+        arrays[f"gradient_sum[{quoted(name)}]"] = summed = np.asarray(array, np.float32)
+        step.gradient_sum[name].CopyFrom(announced_tensor(summed))
     step.weights_id = result.weights_id
     step.expected_batch_size = step.expected_batch_size or result.batch_size
     step.new_version = writer.next_version(info.name, timeout)
+    sent = Whole(step, arrays)  # each replica's messages made from the arrays
 
     def apply(methods: Methods) -> pb.StepResponse:
-        return methods.step(step, timeout=timeout)
+        return methods.step(sent, timeout=timeout)
 
     replies = writer.on_all(apply)
     first = replies[0]

@@ -15,8 +15,8 @@ from pergrad.client._call import Call, batch_of, request_examples, rows_of
 from pergrad.client._receive import read_results
 from pergrad.client._spread import merged, part_slices
 from pergrad.client._types import ModelInfo, PergradError, data_loss, from_rpc_error
-from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.casting import rows
+from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.results import ExpectedOutput, GradientResult
 
 
@@ -60,7 +60,7 @@ class _Pipeline:
         self._parts_of_batches: deque[int] = deque()  # requests per batch, in order
         self._ids = itertools.count(1)
 
-    def requests(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[pb.GradientsRequest]:
+    def requests(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[Whole]:
         try:
             for x, y in batches:
                 while not self._window.acquire(timeout=0.1):
@@ -69,12 +69,12 @@ class _Pipeline:
                 built = self._batch_requests(x, np.asarray(y))
                 self._parts_of_batches.append(len(built))
                 for request in built:
-                    self._sizes[request.request_id] = request_examples(request)
+                    self._sizes[request.message.request_id] = request_examples(request)
                     yield request
         except PergradError as err:
             self.failures.append(err)
 
-    def _batch_requests(self, x: Any, y: np.ndarray) -> list[pb.GradientsRequest]:
+    def _batch_requests(self, x: Any, y: np.ndarray) -> list[Whole]:
         """One batch's requests: several where one request cannot hold it."""
         info, call = self._info, self._call
         parts = part_slices(rows_of(y), call.examples_per_request(info, x, y))

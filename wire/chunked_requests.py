@@ -24,6 +24,7 @@ from pergrad.wire.codec import (
     declared_nbytes,
     decode_tensor,
     numpy_dtype,
+    wire_bytes,
 )
 from pergrad.wire.text import quoted
 
@@ -77,42 +78,65 @@ def _nbytes(what: str, tensor: tensor_pb2.Tensor) -> int:
     return declared_nbytes(dtype, checked_shape(tensor.shape, what=what))
 
 
-def in_chunks(
-    message: Request, *, inline_bytes: int = INLINE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> list[Request | bytes]:
-    """The request as it travels: [message] where its tensors hold `inline_bytes` at most,
-    else a copy with its largest tensors marked `chunked` until the others do, then
-    their bytes as serialized chunk messages (`message` itself unchanged: a retry sends
-    it again)."""
-    sizes = [_nbytes(what, t) for what, t in request_tensors(message)]
-    inline, moved = sum(sizes), set()
+def _moved(sizes: list[int], inline_bytes: int) -> list[int]:
+    """The positions of the largest sizes taken out until the rest hold `inline_bytes` at
+    most, in ascending order (the proto's numbering of the chunked tensors)."""
+    inline, moved = sum(sizes), []
     for size, position in sorted(((s, i) for i, s in enumerate(sizes)), reverse=True):
         if inline <= inline_bytes:
             break
-        moved.add(position)
+        moved.append(position)
         inline -= size
-    if not moved:
-        return [message]
-    header = copy.deepcopy(message)
-    tensors = [t for _, t in request_tensors(header)]
-    field = _CHUNK_FIELD[type(message)]
+    return sorted(moved)
+
+
+def in_chunks(
+    request: Request | Whole,
+    *,
+    inline_bytes: int = INLINE_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[Request | bytes]:
+    """The request as it travels: [message] where its tensors hold `inline_bytes` at most,
+    else a header with its largest tensors marked `chunked` until the others do, then
+    their bytes as serialized chunk messages. A `Whole`'s arrays go as they are, never
+    copied into its message first: inline into the header, or as chunks viewing them
+    (the request itself unchanged: a retry sends it again)."""
+    whole = request if isinstance(request, Whole) else Whole(request)
+    named = request_tensors(whole.message)
+    sizes = [
+        whole.arrays[what].nbytes if what in whole.arrays else _nbytes(what, tensor)
+        for what, tensor in named
+    ]
+    moved = _moved(sizes, inline_bytes)
+    if not moved and not whole.arrays:
+        return [whole.message]
+    header = copy.deepcopy(whole.message)  # small, unless a tensor held inline is moved
+    tensors = [tensor for _, tensor in request_tensors(header)]
+    arrays = [whole.arrays.get(what) for what, _ in named]
+    for position, (tensor, array) in enumerate(zip(tensors, arrays, strict=True)):
+        if array is not None and position not in moved:
+            tensor.content, tensor.chunked = bytes(wire_bytes(array)), False
+    field = _CHUNK_FIELD[type(header)]
     chunks: list[Request | bytes] = []
-    for index, position in enumerate(sorted(moved)):
-        data = memoryview(tensors[position].content)
-        tensors[position].content, tensors[position].chunked = b"", True
+    for index, position in enumerate(moved):
+        tensor, array = tensors[position], arrays[position]
+        view = memoryview(tensor.content) if array is None else wire_bytes(array)
+        tensor.content, tensor.chunked = b"", True
         chunks += [
-            encode_chunk_in(field, index, offset, data[offset : offset + chunk_bytes])
-            for offset in range(0, len(data), chunk_bytes)
+            encode_chunk_in(field, index, offset, view[offset : offset + chunk_bytes])
+            for offset in range(0, len(view), chunk_bytes)
         ]
     return [header, *chunks]
 
 
 @dataclass(frozen=True)
 class Whole:
-    """A request as the server reads it: its message, and the arrays its chunked tensors
-    were assembled into, by their names in `request_tensors`. Those bytes never pass
-    through the message: setting a bytes field and reading it back copies them twice,
-    into fresh pages each time (a 25 MiB request: ~35 ms here)."""
+    """A request and the arrays of its tensors that its message announces (dtype, shape,
+    marked `chunked`) without their bytes, by their names in `request_tensors`: as the
+    client builds it (`in_chunks` sends the arrays), and as the server reads it (the
+    arrays its chunks were assembled into). Those bytes never pass through the message:
+    setting a bytes field and reading it back copies them twice, into fresh pages each
+    time (a 25 MiB request: ~35 ms here)."""
 
     message: Any  # a GradientsRequest or StepRequest; any other message, whole
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
@@ -129,6 +153,14 @@ class Whole:
         if name not in self.arrays:
             raise CodecError(f"{what or name}: marked chunked, yet no chunks were read for it")
         return self.arrays[name]
+
+    def inline(self) -> Any:
+        """The request as one message, every array's bytes in place."""
+        message = copy.deepcopy(self.message)
+        for what, tensor in request_tensors(message):
+            if what in self.arrays:
+                tensor.content, tensor.chunked = bytes(wire_bytes(self.arrays[what])), False
+        return message
 
     def part(self, name: str) -> Whole:
         """The request its field `name` holds (a StepRequest's batch), with its arrays."""

@@ -79,6 +79,12 @@ def encode_tensor(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=wire_dtype(array.dtype), shape=array.shape, content=array.tobytes())
 
 
+def announced_tensor(array: np.ndarray) -> pb.Tensor:
+    """A `Tensor` of the array's dtype and shape marked `chunked`, its bytes held apart
+    (`chunked_requests.Whole`: sent inline or in chunks straight from the array)."""
+    return pb.Tensor(dtype=wire_dtype(array.dtype), shape=array.shape, chunked=True)
+
+
 # No tensor pergrad handles comes near these; beyond them numpy cannot even describe one.
 MAX_RANK = 32
 MAX_ELEMENTS = 1 << 40

@@ -24,7 +24,7 @@ from pergrad.wire.catalogue import (
     Reduction,
 )
 from pergrad.wire.chunked_requests import Whole
-from pergrad.wire.codec import CodecError, encode_tensor, wire_dtype
+from pergrad.wire.codec import CodecError, announced_tensor, wire_dtype
 from pergrad.wire.results import GradientResult
 from pergrad.wire.text import quoted
 
@@ -58,15 +58,24 @@ def _enum_choice(option: Option, number: int) -> str:
     return values[number].name.removeprefix(option.enum_prefix).lower()
 
 
-def _set_option(request: pb.GradientsRequest, option: Option, value: Any) -> None:
+def _set_option(
+    request: pb.GradientsRequest, arrays: dict[str, np.ndarray], option: Option, value: Any
+) -> None:
     if option.kind == "tensors":
         tensors = getattr(request, option.field)
         for name, array in value.items():
-            tensors[name].CopyFrom(encode_tensor(np.asarray(array, np.float32)))
+            what = f"{option.field}[{quoted(name)}]"
+            arrays[what] = _announced(tensors[name], np.asarray(array, np.float32))
     elif option.kind == "choice":
         setattr(request, option.field, _enum_number(option, value))
     else:
         setattr(request, option.field, value)
+
+
+def _announced(tensor: tensor_pb2.Tensor, array: np.ndarray) -> np.ndarray:
+    """`array`, announced as `tensor` (its bytes beside the message: `Whole`)."""
+    tensor.CopyFrom(announced_tensor(array))
+    return array
 
 
 def gradients_request(
@@ -80,30 +89,32 @@ def gradients_request(
     model_version: int = 0,
     weights_id: str = "",
     request_id: int = 0,
-) -> pb.GradientsRequest:
+) -> Whole:
     """A request for `reduction` with checked `options` (None or a default: not sent); `x`
-    one array (`inputs`) or one per input name (`named_inputs`). It asks for a small
-    result in one message (`inline_result`; `pergrad.client` reads both forms)."""
+    one array (`inputs`) or one per input name (`named_inputs`); its tensors arrays beside
+    its message (`in_chunks` sends them; `Whole.inline` puts them in it). It asks for a
+    small result in one message (`inline_result`; `pergrad.client` reads both forms)."""
     request = pb.GradientsRequest(
         model=model,
         model_version=model_version,
         weights_id=weights_id,
-        labels=encode_tensor(y),
         request_id=request_id,
         reduction=cast(pb.Reduction, reduction.number),  # the enum's value, as an int
         variables=list(variables or ()),
         inline_result=True,
     )
+    arrays = {"labels": _announced(request.labels, np.asarray(y))}
     if isinstance(x, Mapping):
         for name, array in x.items():
-            request.named_inputs[name].CopyFrom(encode_tensor(array))
+            tensor = request.named_inputs[name]
+            arrays[f"named_inputs[{quoted(name)}]"] = _announced(tensor, np.asarray(array))
     else:
-        request.inputs.CopyFrom(encode_tensor(x))
+        arrays["inputs"] = _announced(request.inputs, np.asarray(x))
     for option in reduction.options:
         value = options.get(option.name)
         if value is not None and not (value == option.default and not option.required):
-            _set_option(request, option, value)
-    return request
+            _set_option(request, arrays, option, value)
+    return Whole(request, arrays)
 
 
 def _is_set(request: pb.GradientsRequest, field: str) -> bool:

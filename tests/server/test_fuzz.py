@@ -190,7 +190,7 @@ def plausible_requests(draw: st.DrawFn) -> pb.GradientsRequest:
     entry = CATALOGUE.get(reduction)
     return gradients_request(
         "mnist_mlp", x, y, reduction=entry, options=options, variables=variables
-    )
+    ).inline()
 
 
 @FUZZ

@@ -382,7 +382,8 @@ def _replies(server: RunningServer, request: pb.GradientsRequest) -> list[Part]:
 
 def _norms_request(size: int, *, inline: bool) -> pb.GradientsRequest:
     x, y = batch_for((784,), 10, size)
-    request = gradients_request("mnist_mlp", x, y, reduction=CATALOGUE.get("norms"), options={})
+    norms = CATALOGUE.get("norms")
+    request = gradients_request("mnist_mlp", x, y, reduction=norms, options={}).inline()
     request.inline_result = inline
     return request
 

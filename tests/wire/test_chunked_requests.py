@@ -8,6 +8,7 @@ import pytest
 
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
+from pergrad.wire.catalogue import CATALOGUE
 from pergrad.wire.chunked_requests import (
     Chunked,
     Request,
@@ -17,6 +18,7 @@ from pergrad.wire.chunked_requests import (
     request_tensors,
 )
 from pergrad.wire.codec import CodecError, encode_tensor
+from pergrad.wire.messages import gradients_request
 
 KIB = 1 << 10
 
@@ -100,6 +102,35 @@ def test_chunked_tensors_reach_the_server_as_read_only_arrays_not_through_the_me
     assert whole.message.inputs.chunked and not whole.message.inputs.content
     assert list(whole.arrays) == ["inputs"]
     assert not whole.array(whole.message.inputs, "inputs").flags.writeable
+
+
+def _built(inputs: int, labels: int) -> Whole:
+    """A request as the client builds it: its tensors arrays beside its message."""
+    x = np.arange(inputs // 4, dtype=np.float32)
+    y = np.arange(labels // 8, dtype=np.int64)
+    return gradients_request("m", x, y, reduction=CATALOGUE.get("norms"), options={})
+
+
+def test_a_built_request_in_chunks_is_the_request_inline_byte_for_byte() -> None:
+    built = _built(300 * KIB, 40 * KIB)
+    parts = in_chunks(built, inline_bytes=100 * KIB, chunk_bytes=64 * KIB)
+    header = _parsed(parts)[0]
+    assert [w for w, t in request_tensors(header) if t.chunked] == ["inputs"]
+    assert len(header.labels.content) == 40 * KIB  # the smaller tensor inline, from its array
+    assert_same_request(_filled(parts), built.inline())
+
+
+def test_a_built_request_that_fits_travels_as_the_one_message_it_makes() -> None:
+    built = _built(8 * KIB, 8 * KIB)
+    assert in_chunks(built) == [built.inline()]
+
+
+def test_splitting_a_built_request_leaves_it_unchanged_for_a_retry() -> None:
+    built = _built(300 * KIB, 8 * KIB)
+    message, arrays = built.message.SerializeToString(), dict(built.arrays)
+    first = in_chunks(built, inline_bytes=KIB)
+    assert built.message.SerializeToString() == message and built.arrays == arrays
+    assert in_chunks(built, inline_bytes=KIB) == first
 
 
 def test_splitting_leaves_the_request_unchanged_for_a_retry() -> None:

@@ -48,7 +48,10 @@ def channel(running: RunningServer) -> Iterator[grpc.Channel]:
 def _norms_request(batch: int, request_id: int = 0) -> pb.GradientsRequest:
     x, y = batch_for((784,), 10, batch)
     norms = CATALOGUE.get("norms")
-    return gradients_request("mnist_mlp", x, y, reduction=norms, options={}, request_id=request_id)
+    request = gradients_request(
+        "mnist_mlp", x, y, reduction=norms, options={}, request_id=request_id
+    )
+    return request.inline()
 
 
 def _call(channel: grpc.Channel, method: str, messages: Iterator, timeout: float = 60) -> list:
