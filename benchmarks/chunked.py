@@ -12,7 +12,12 @@ A request over 4 MiB (B=4096: 12 MiB) travels in chunks only; its row times thos
 (the server takes up to 64 MiB here; by default, 4 MiB and what one request to a served
 model cannot split: a step's gradient sum, `dot`'s references, one example).
 
-    python benchmarks/chunked.py [--rounds 41] [--batch-sizes 384 1024]
+Then, in this process, what the copies of a request's bytes cost either side: the
+client's building of the request and making of its messages, the server's reading of
+them whole (parsed, chunks assembled, every tensor an array), against one copy of its
+tensors' bytes into new arrays.
+
+    python benchmarks/chunked.py [--rounds 41] [--batch-sizes 384 1024 4096]
 """
 
 from __future__ import annotations
@@ -32,9 +37,17 @@ import numpy as np
 
 from pergrad.client.local import LocalServer
 from pergrad.server.engine.cores import one_blas_thread
+from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import CATALOGUE
-from pergrad.wire.chunked_requests import MESSAGE_BYTES, Whole, in_chunks
+from pergrad.wire.chunked_requests import (
+    MESSAGE_BYTES,
+    Chunked,
+    Whole,
+    in_chunks,
+    request_tensors,
+)
 from pergrad.wire.messages import gradients_request
+from pergrad.wire.terms import Reduction
 
 METHOD = "/pergrad.v1.GradientService/ComputePerExampleGradients"
 # Inline at most this, below the client's 3 MiB, so that both sizes go in chunks.
@@ -70,6 +83,37 @@ def medians(call: Callable, build: Callable[[], Whole], rounds: int) -> dict[str
     return ms | {"mib": len(whole[0]) / 2**20, "messages": len(chunks)}
 
 
+def in_process(build: Callable[[], Whole], rounds: int) -> dict[str, float]:
+    """ms, in this process, the three taking turns: the client's building of the request
+    and making of its messages (`in_chunks`, at the client's 3 MiB inline), the server's
+    reading of them whole (parsed, chunks assembled, every tensor an array), and a copy of
+    its tensors' bytes into new arrays (the floor of either)."""
+    messages = _serialized(in_chunks(build()))
+    arrays = list(build().arrays.values())
+
+    def read() -> list[np.ndarray]:
+        parsed = [pb.GradientsRequest.FromString(m) for m in messages]
+        chunked = Chunked(parsed[0])
+        for message, data in zip(parsed[1:], messages[1:], strict=True):
+            chunked.add(message, len(data))
+        whole = chunked.whole()
+        return [whole.array(tensor, name) for name, tensor in request_tensors(whole.message)]
+
+    ways = {
+        "client": lambda: _serialized(in_chunks(build())),
+        "read": read,
+        "copy": lambda: [np.array(a) for a in arrays],
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for round_ in range(rounds + 1):
+        for name, way in ways.items():
+            began = time.perf_counter()
+            way()
+            if round_:
+                times[name].append(time.perf_counter() - began)
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.2f}"
 
@@ -82,6 +126,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[384, 1024, 4096])
     args = parser.parse_args()
     one_blas_thread()
+    norms = CATALOGUE.get("norms")
+    builds = {size: _build(size, norms) for size in args.batch_sizes}
     print(
         "| B (mnist_mlp, norms) | request MiB | messages in chunks | one message ms | chunks ms "
         "| built + sent ms |"
@@ -94,17 +140,25 @@ def main() -> None:
         grpc.insecure_channel(server.target) as channel,
     ):
         call = channel.stream_stream(METHOD)
-        for size in args.batch_sizes:
-            rng = np.random.default_rng(size)
-            x = rng.standard_normal((size, 784)).astype(np.float32)
-            y = rng.integers(0, 10, size).astype(np.int32)
-            norms = CATALOGUE.get("norms")
-            build = functools.partial(gradients_request, "mnist_mlp", reduction=norms, options={})
-            ms = medians(call, functools.partial(build, x, y), args.rounds)
+        for size, build in builds.items():
+            ms = medians(call, build, args.rounds)
             print(
                 f"| {size} | {ms['mib']:.2f} | {ms['messages']:.0f} | {_ms(ms['one'])} | "
                 f"{ms['chunks']:.2f} | {ms['split']:.2f} |"
             )
+    print("\n| B | client: built, made into messages ms | server: read whole ms | a copy ms |")
+    print("| ---: | ---: | ---: | ---: |")
+    for size, build in builds.items():
+        ms = in_process(build, args.rounds)
+        print(f"| {size} | {ms['client']:.2f} | {ms['read']:.2f} | {ms['copy']:.2f} |")
+
+
+def _build(size: int, reduction: Reduction) -> Callable[[], Whole]:
+    """A request of `size` mnist_mlp examples, built afresh at each call."""
+    rng = np.random.default_rng(size)
+    x = rng.standard_normal((size, 784)).astype(np.float32)
+    y = rng.integers(0, 10, size).astype(np.int32)
+    return functools.partial(gradients_request, "mnist_mlp", x, y, reduction=reduction, options={})
 
 
 if __name__ == "__main__":
