@@ -75,13 +75,11 @@ class Work:
         return dtype_named(name) if name else None
 
 
-def _decode(
-    request: Whole, tensor: tensor_pb2.Tensor, name: str, max_batch: int, what: str = ""
-) -> np.ndarray:
+def _decode(request: Whole, tensor: tensor_pb2.Tensor, name: str, max_batch: int) -> np.ndarray:
     """The tensor's array (`Whole.array`), its batch size checked before anything else."""
     if tensor.shape and tensor.shape[0] > max_batch:
-        raise over_max_batch(what or name, tensor.shape[0], max_batch)
-    return request.array(tensor, name, what=what)
+        raise over_max_batch(name, tensor.shape[0], max_batch)
+    return request.array(tensor, name)
 
 
 def _decode_batch(
@@ -98,16 +96,8 @@ def _decode_batch(
         raise InvalidArgument("labels: missing")
     x: np.ndarray | dict[str, np.ndarray]
     if message.named_inputs:
-        x = {
-            name: _decode(
-                request,
-                tensor,
-                f"named_inputs[{quoted(name)}]",
-                max_batch,
-                f"inputs[{quoted(name)}]",
-            )
-            for name, tensor in message.named_inputs.items()
-        }
+        named = [(n, f"named_inputs[{quoted(n)}]", t) for n, t in message.named_inputs.items()]
+        x = {n: _decode(request, tensor, what, max_batch) for n, what, tensor in named}
     else:
         x = _decode(request, message.inputs, "inputs", max_batch)
     return x, _decode(request, message.labels, "labels", max_batch)

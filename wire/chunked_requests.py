@@ -145,13 +145,13 @@ class Whole:
     def model(self) -> str:
         return getattr(self.message, "model", "")
 
-    def array(self, tensor: tensor_pb2.Tensor, name: str, *, what: str = "") -> np.ndarray:
-        """The tensor `request_tensors` names `name`: its assembled array if it came in
-        chunks, else a read-only view of its bytes (`what` names it in errors)."""
+    def array(self, tensor: tensor_pb2.Tensor, name: str) -> np.ndarray:
+        """The tensor `request_tensors` names `name`: its array if the message announces
+        it without its bytes (chunked), else a read-only view of its bytes."""
         if not tensor.chunked:
-            return decode_tensor(tensor, what=what or name)
+            return decode_tensor(tensor, what=name)
         if name not in self.arrays:
-            raise CodecError(f"{what or name}: marked chunked, yet no chunks were read for it")
+            raise CodecError(f"{name}: marked chunked, yet no chunks were read for it")
         return self.arrays[name]
 
     def inline(self) -> Any:
