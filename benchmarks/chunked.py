@@ -44,7 +44,7 @@ from pergrad.wire.chunked_requests import (
     Chunked,
     Whole,
     in_chunks,
-    request_tensors,
+    tensor_keys,
 )
 from pergrad.wire.messages import gradients_request
 from pergrad.wire.terms import Reduction
@@ -97,7 +97,7 @@ def in_process(build: Callable[[], Whole], rounds: int) -> dict[str, float]:
         for message, data in zip(parsed[1:], messages[1:], strict=True):
             chunked.add(message, len(data))
         whole = chunked.whole()
-        return [whole.array(tensor, name) for name, tensor in request_tensors(whole.message)]
+        return [whole.array(tensor, key) for key, tensor in tensor_keys(whole.message)]
 
     ways = {
         "client": lambda: _serialized(in_chunks(build())),

@@ -79,7 +79,7 @@ class Call:
     def request(self, info: ModelInfo, x: Any, y: Any, *, request_id: int = 0) -> Whole:
         """The request for batch (x, y), cast to the model's dtypes; x is one array, or
         for a model of several inputs a mapping by input name (or a list in their order).
-        Its arrays are copied once, as its messages are made (`in_chunks`)."""
+        Its arrays are copied as its messages are made (`in_chunks`): once where in chunks."""
         single = len(info.inputs) == 1
         try:
             values = arrays_by_input(x, [i.name for i in info.inputs])

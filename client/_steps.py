@@ -16,10 +16,9 @@ from pergrad.client._types import ModelInfo, PergradError, answer_checked, inval
 from pergrad.client._weights import WeightsWriter
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import STEP_SUMS
-from pergrad.wire.chunked_requests import Whole
+from pergrad.wire.chunked_requests import Key, Whole
 from pergrad.wire.codec import announced_tensor, decode_tensor
 from pergrad.wire.results import GradientResult
-from pergrad.wire.text import quoted
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def on_one(
     `call` is the batch's part (`step_call`)."""
     batch = call.request(info, x, y)
     step.batch.CopyFrom(batch.message)  # its tensors announced: their bytes are arrays
-    arrays = {f"batch.{name}": array for name, array in batch.arrays.items()}
+    arrays = {(f"batch.{field}", key): array for (field, key), array in batch.arrays.items()}
     reply = stub_call(Whole(step, arrays), timeout=timeout)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
@@ -113,9 +112,9 @@ def on_all(
     """Every replica applies the same sum (of `result`, computed on any of them at its
     weights) with one new version, pinned to the weights the sum was computed with."""
     total = getattr(result, STEP_SUMS[call.reduction.name])
-    arrays = {}
+    arrays: dict[Key, np.ndarray] = {}
     for name, array in total.items():
-        arrays[f"gradient_sum[{quoted(name)}]"] = summed = np.asarray(array, np.float32)
+        arrays["gradient_sum", name] = summed = np.asarray(array, np.float32)
         step.gradient_sum[name].CopyFrom(announced_tensor(summed))
     step.weights_id = result.weights_id
     step.expected_batch_size = step.expected_batch_size or result.batch_size

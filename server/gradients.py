@@ -31,7 +31,7 @@ from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.casting import dtype_named
 from pergrad.wire.catalogue import NONE
-from pergrad.wire.chunked_requests import Whole
+from pergrad.wire.chunked_requests import Key, Whole, tensor_name
 from pergrad.wire.chunks import RawChunk, encode_chunk
 from pergrad.wire.codec import iter_raw_chunks, wire_bytes
 from pergrad.wire.messages import Asked, parse_request, result_arrays, result_header
@@ -75,11 +75,11 @@ class Work:
         return dtype_named(name) if name else None
 
 
-def _decode(request: Whole, tensor: tensor_pb2.Tensor, name: str, max_batch: int) -> np.ndarray:
+def _decode(request: Whole, tensor: tensor_pb2.Tensor, key: Key, max_batch: int) -> np.ndarray:
     """The tensor's array (`Whole.array`), its batch size checked before anything else."""
     if tensor.shape and tensor.shape[0] > max_batch:
-        raise over_max_batch(name, tensor.shape[0], max_batch)
-    return request.array(tensor, name)
+        raise over_max_batch(tensor_name(key), tensor.shape[0], max_batch)
+    return request.array(tensor, key)
 
 
 def _decode_batch(
@@ -96,11 +96,13 @@ def _decode_batch(
         raise InvalidArgument("labels: missing")
     x: np.ndarray | dict[str, np.ndarray]
     if message.named_inputs:
-        named = [(n, f"named_inputs[{quoted(n)}]", t) for n, t in message.named_inputs.items()]
-        x = {n: _decode(request, tensor, what, max_batch) for n, what, tensor in named}
+        x = {
+            name: _decode(request, tensor, ("named_inputs", name), max_batch)
+            for name, tensor in message.named_inputs.items()
+        }
     else:
-        x = _decode(request, message.inputs, "inputs", max_batch)
-    return x, _decode(request, message.labels, "labels", max_batch)
+        x = _decode(request, message.inputs, ("inputs", None), max_batch)
+    return x, _decode(request, message.labels, ("labels", None), max_batch)
 
 
 def prepare(served: ServedModel, request: Whole, settings: Settings) -> Work:

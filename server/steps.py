@@ -25,7 +25,6 @@ from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import STEP_SUMS
 from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.results import GradientResult
-from pergrad.wire.text import quoted
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # GradientsRequest fields the step sets itself, so its batch leaves them unset.
@@ -116,7 +115,7 @@ def _given_sum(served: ServedModel, request: Whole) -> dict[str, np.ndarray]:
     """The sum a StepRequest gives: float32 (whatever the variables' dtypes), one tensor
     of each variable's shape."""
     arrays = {
-        name: request.array(tensor, f"gradient_sum[{quoted(name)}]")
+        name: request.array(tensor, ("gradient_sum", name))
         for name, tensor in request.message.gradient_sum.items()
     }
     wrong = sorted(name for name, a in arrays.items() if a.dtype != np.float32)

@@ -51,24 +51,43 @@ _CHUNK_FIELD = {
 }
 
 
-def _by_name(field: str, tensors: Mapping[str, tensor_pb2.Tensor]) -> list[tuple[str, Any]]:
-    """A map's tensors in ascending byte order of their names, each named by its field."""
-    return [(f"{field}[{quoted(n)}]", tensors[n]) for n in sorted(tensors, key=str.encode)]
+# A request's tensor: its field (a StepRequest's batch's as "batch.<field>") and its key
+# in that map (None for a field that is no map), whole: what arrays are kept by. Errors
+# name it as `tensor_name` does, a long key cut short.
+Key = tuple[str, str | None]
+
+
+def _by_key(field: str, tensors: Mapping[str, tensor_pb2.Tensor]) -> list[tuple[Key, Any]]:
+    """A map's tensors in ascending byte order of their keys."""
+    return [((field, key), tensors[key]) for key in sorted(tensors, key=str.encode)]
+
+
+def tensor_keys(message: Message) -> list[tuple[Key, tensor_pb2.Tensor]]:
+    """Every tensor of a GradientsRequest or StepRequest by its key, in the order that
+    numbers the chunked ones; none for any other message."""
+    if isinstance(message, pb.StepRequest):
+        batch = tensor_keys(message.batch) if message.HasField("batch") else []
+        keyed = [((f"batch.{field}", key), tensor) for (field, key), tensor in batch]
+        return keyed + _by_key("gradient_sum", message.gradient_sum)
+    if not isinstance(message, pb.GradientsRequest):
+        return []  # a message of another kind is always whole
+    tensors: list[tuple[Key, Any]] = []
+    tensors += [(("inputs", None), message.inputs)] if message.HasField("inputs") else []
+    tensors += _by_key("named_inputs", message.named_inputs)
+    tensors += [(("labels", None), message.labels)] if message.HasField("labels") else []
+    return tensors + _by_key("reference", message.reference)
+
+
+def tensor_name(key: Key) -> str:
+    """A tensor as errors name it: `inputs`, `reference['w']`."""
+    field, name = key
+    return field if name is None else f"{field}[{quoted(name)}]"
 
 
 def request_tensors(message: Message) -> list[tuple[str, tensor_pb2.Tensor]]:
-    """Every tensor of a GradientsRequest or StepRequest, named by its field, in the order
-    that numbers the chunked ones; none for any other message."""
-    if isinstance(message, pb.StepRequest):
-        batch = request_tensors(message.batch) if message.HasField("batch") else []
-        named = [(f"batch.{what}", tensor) for what, tensor in batch]
-        return named + _by_name("gradient_sum", message.gradient_sum)
-    if not isinstance(message, pb.GradientsRequest):
-        return []  # a message of another kind is always whole
-    tensors = [("inputs", message.inputs)] if message.HasField("inputs") else []
-    tensors += _by_name("named_inputs", message.named_inputs)
-    tensors += [("labels", message.labels)] if message.HasField("labels") else []
-    return tensors + _by_name("reference", message.reference)
+    """Every tensor of a GradientsRequest or StepRequest, named (`tensor_name`), in the
+    order that numbers the chunked ones; none for any other message."""
+    return [(tensor_name(key), tensor) for key, tensor in tensor_keys(message)]
 
 
 def _nbytes(what: str, tensor: tensor_pb2.Tensor) -> int:
@@ -102,17 +121,17 @@ def in_chunks(
     copied into its message first: inline into the header, or as chunks viewing them
     (the request itself unchanged: a retry sends it again)."""
     whole = request if isinstance(request, Whole) else Whole(request)
-    named = request_tensors(whole.message)
+    keyed = tensor_keys(whole.message)
+    arrays = whole.arrays_of(keyed)
     sizes = [
-        whole.arrays[what].nbytes if what in whole.arrays else _nbytes(what, tensor)
-        for what, tensor in named
+        _nbytes(tensor_name(key), tensor) if array is None else array.nbytes
+        for (key, tensor), array in zip(keyed, arrays, strict=True)
     ]
     moved = _moved(sizes, inline_bytes)
     if not moved and not whole.arrays:
         return [whole.message]
     header = copy.deepcopy(whole.message)  # small, unless a tensor held inline is moved
-    tensors = [tensor for _, tensor in request_tensors(header)]
-    arrays = [whole.arrays.get(what) for what, _ in named]
+    tensors = [tensor for _, tensor in tensor_keys(header)]
     for position, (tensor, array) in enumerate(zip(tensors, arrays, strict=True)):
         if array is not None and position not in moved:
             tensor.content, tensor.chunked = bytes(wire_bytes(array)), False
@@ -131,41 +150,57 @@ def in_chunks(
 
 @dataclass(frozen=True)
 class Whole:
-    """A request and the arrays of its tensors that its message announces (dtype, shape,
-    marked `chunked`) without their bytes, by their names in `request_tensors`: as the
-    client builds it (`in_chunks` sends the arrays), and as the server reads it (the
-    arrays its chunks were assembled into). Those bytes never pass through the message:
-    setting a bytes field and reading it back copies them twice, into fresh pages each
-    time (a 25 MiB request: ~35 ms here)."""
+    """A request and the arrays of the tensors its message announces (dtype, shape, marked
+    `chunked`) without their bytes, by key (`tensor_keys`): as the client builds it
+    (`in_chunks` sends the arrays), and as the server reads it (the arrays its chunks
+    were assembled into). Those bytes never pass through the message: setting a bytes
+    field and reading it back copies them twice, into fresh pages each time (a 25 MiB
+    request: ~35 ms here)."""
 
     message: Any  # a GradientsRequest or StepRequest; any other message, whole
-    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    arrays: Mapping[Key, np.ndarray] = field(default_factory=dict)
 
     @property
     def model(self) -> str:
         return getattr(self.message, "model", "")
 
-    def array(self, tensor: tensor_pb2.Tensor, name: str) -> np.ndarray:
-        """The tensor `request_tensors` names `name`: its array if the message announces
-        it without its bytes (chunked), else a read-only view of its bytes."""
+    def array(self, tensor: tensor_pb2.Tensor, key: Key) -> np.ndarray:
+        """The request's tensor `key`: its array if the message announces it without its
+        bytes (chunked), else a read-only view of its bytes."""
         if not tensor.chunked:
-            return decode_tensor(tensor, what=name)
-        if name not in self.arrays:
-            raise CodecError(f"{name}: marked chunked, yet no chunks were read for it")
-        return self.arrays[name]
+            return decode_tensor(tensor, what=tensor_name(key))
+        if key not in self.arrays:
+            raise CodecError(f"{tensor_name(key)}: marked chunked, yet no chunks were read for it")
+        return self.arrays[key]
+
+    def arrays_of(self, keyed: list[tuple[Key, tensor_pb2.Tensor]]) -> list[np.ndarray | None]:
+        """The array of each of the message's tensors (`tensor_keys`), None for one whose
+        bytes the message holds; ValueError for an array of no tensor, or a tensor
+        announced without its array."""
+        unknown = set(self.arrays) - {key for key, _ in keyed}
+        missing = [k for k, t in keyed if t.chunked and k not in self.arrays]
+        if unknown or missing:
+            names = sorted(tensor_name(key) for key in [*unknown, *missing])
+            raise ValueError(f"arrays and announced tensors differ at {names}")
+        return [self.arrays.get(key) for key, _ in keyed]
 
     def inline(self) -> Any:
         """The request as one message, every array's bytes in place."""
         message = copy.deepcopy(self.message)
-        for what, tensor in request_tensors(message):
-            if what in self.arrays:
-                tensor.content, tensor.chunked = bytes(wire_bytes(self.arrays[what])), False
+        keyed = tensor_keys(message)
+        for (_, tensor), array in zip(keyed, self.arrays_of(keyed), strict=True):
+            if array is not None:
+                tensor.content, tensor.chunked = bytes(wire_bytes(array)), False
         return message
 
     def part(self, name: str) -> Whole:
         """The request its field `name` holds (a StepRequest's batch), with its arrays."""
         prefix = f"{name}."
-        arrays = {k.removeprefix(prefix): a for k, a in self.arrays.items() if k.startswith(prefix)}
+        arrays = {
+            (field.removeprefix(prefix), key): array
+            for (field, key), array in self.arrays.items()
+            if field.startswith(prefix)
+        }
         return Whole(getattr(self.message, name), arrays)
 
 
@@ -181,18 +216,22 @@ def is_chunk(message: Any) -> bool:
 
 class Chunked:
     """A request's chunked tensors (`nbytes` of them, as declared), filled from the chunk
-    messages that follow it (`add`) until `complete`; `whole` is then the request."""
+    messages that follow it (`add`) until `complete`; `whole` then gives the request."""
 
     def __init__(self, message: Message) -> None:
         batch = message.batch if isinstance(message, pb.StepRequest) else None
         if is_chunk(message) or (batch is not None and batch.HasField("chunk")):
             raise CodecError(f"{type(message).__name__}: a chunk where a request was due")
         self._message = message
-        self._chunked = [(w, t) for w, t in request_tensors(message) if t.chunked]
-        for what, tensor in self._chunked:
+        self._chunked = [(k, t) for k, t in tensor_keys(message) if t.chunked]
+        self._names = [tensor_name(key) for key, _ in self._chunked]
+        for what, (_, tensor) in zip(self._names, self._chunked, strict=True):
             if tensor.content:
                 raise CodecError(f"{what}: chunked, yet holds {len(tensor.content)} bytes")
-        self._sizes = [_nbytes(what, tensor) for what, tensor in self._chunked]
+        self._sizes = [
+            _nbytes(what, tensor)
+            for what, (_, tensor) in zip(self._names, self._chunked, strict=True)
+        ]
         self.nbytes = sum(self._sizes)
         self._assembler: TensorAssembler | None = None
 
@@ -201,8 +240,8 @@ class Chunked:
         `dot`'s references nor a step's gradient sum)."""
         return [
             (what, int(tensor.shape[0]))
-            for what, tensor in self._chunked
-            if tensor.shape and what.removeprefix("batch.").startswith(_EXAMPLES)
+            for what, ((field, _), tensor) in zip(self._names, self._chunked, strict=True)
+            if tensor.shape and field.removeprefix("batch.") in _EXAMPLES
         ]
 
     @property
@@ -239,15 +278,15 @@ class Chunked:
         arrays = self._assembly().arrays()
         for array in arrays:
             array.flags.writeable = False  # as read-only as a view of a message's bytes
-        names = [what for what, _ in self._chunked]
-        return Whole(self._message, dict(zip(names, arrays, strict=True)))
+        keys = [key for key, _ in self._chunked]
+        return Whole(self._message, dict(zip(keys, arrays, strict=True)))
 
     def _assembly(self) -> TensorAssembler:
         """Allocated when first needed: after the caller checked and priced `nbytes`."""
         if self._assembler is None:
             specs = [
                 tensor_pb2.TensorSpec(name=what, dtype=t.dtype, shape=t.shape)
-                for what, t in self._chunked
+                for what, (_, t) in zip(self._names, self._chunked, strict=True)
             ]
             self._assembler = TensorAssembler(specs)
         return self._assembler

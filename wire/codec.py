@@ -74,7 +74,7 @@ def _byte_view(array: np.ndarray) -> memoryview:
 
 
 def encode_tensor(array: np.ndarray) -> pb.Tensor:
-    """A whole array as one `Tensor` message (for request inputs)."""
+    """A whole array as one `Tensor` message, its bytes in it."""
     array = _little_endian(np.asarray(array))
     return pb.Tensor(dtype=wire_dtype(array.dtype), shape=array.shape, content=array.tobytes())
 

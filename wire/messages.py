@@ -23,10 +23,9 @@ from pergrad.wire.catalogue import (
     OptionError,
     Reduction,
 )
-from pergrad.wire.chunked_requests import Whole
+from pergrad.wire.chunked_requests import Key, Whole
 from pergrad.wire.codec import CodecError, announced_tensor, wire_dtype
 from pergrad.wire.results import GradientResult
-from pergrad.wire.text import quoted
 
 _REQUEST_FIELDS = pb.GradientsRequest.DESCRIPTOR.fields_by_name
 
@@ -59,21 +58,22 @@ def _enum_choice(option: Option, number: int) -> str:
 
 
 def _set_option(
-    request: pb.GradientsRequest, arrays: dict[str, np.ndarray], option: Option, value: Any
+    request: pb.GradientsRequest, arrays: dict[Key, np.ndarray], option: Option, value: Any
 ) -> None:
     if option.kind == "tensors":
         tensors = getattr(request, option.field)
         for name, array in value.items():
-            what = f"{option.field}[{quoted(name)}]"
-            arrays[what] = _announced(tensors[name], np.asarray(array, np.float32))
+            key = (option.field, str(name))  # the string protobuf keeps for the key
+            arrays[key] = _announced(tensors[name], np.asarray(array, np.float32))
     elif option.kind == "choice":
         setattr(request, option.field, _enum_number(option, value))
     else:
         setattr(request, option.field, value)
 
 
-def _announced(tensor: tensor_pb2.Tensor, array: np.ndarray) -> np.ndarray:
+def _announced(tensor: tensor_pb2.Tensor, array: Any) -> np.ndarray:
     """`array`, announced as `tensor` (its bytes beside the message: `Whole`)."""
+    array = np.asarray(array)
     tensor.CopyFrom(announced_tensor(array))
     return array
 
@@ -103,13 +103,13 @@ def gradients_request(
         variables=list(variables or ()),
         inline_result=True,
     )
-    arrays = {"labels": _announced(request.labels, np.asarray(y))}
+    arrays: dict[Key, np.ndarray] = {("labels", None): _announced(request.labels, y)}
     if isinstance(x, Mapping):
         for name, array in x.items():
-            tensor = request.named_inputs[name]
-            arrays[f"named_inputs[{quoted(name)}]"] = _announced(tensor, np.asarray(array))
+            key = ("named_inputs", str(name))  # the string protobuf keeps for the key
+            arrays[key] = _announced(request.named_inputs[name], array)
     else:
-        arrays["inputs"] = _announced(request.inputs, np.asarray(x))
+        arrays["inputs", None] = _announced(request.inputs, x)
     for option in reduction.options:
         value = options.get(option.name)
         if value is not None and not (value == option.default and not option.required):
@@ -127,10 +127,7 @@ def _is_set(request: pb.GradientsRequest, field: str) -> bool:
 def _get_option(request: Whole, option: Option) -> Any:
     value = getattr(request.message, option.field)
     if option.kind == "tensors":  # cast and checked by the catalogue, as in-process
-        return {
-            name: request.array(tensor, f"{option.field}[{quoted(name)}]")
-            for name, tensor in value.items()
-        }
+        return {name: request.array(tensor, (option.field, name)) for name, tensor in value.items()}
     if option.kind == "choice":
         return _enum_choice(option, value)
     return value

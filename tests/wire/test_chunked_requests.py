@@ -11,11 +11,13 @@ from pergrad.v1 import tensor_pb2
 from pergrad.wire.catalogue import CATALOGUE
 from pergrad.wire.chunked_requests import (
     Chunked,
+    Key,
     Request,
     Whole,
     in_chunks,
     is_chunk,
     request_tensors,
+    tensor_keys,
 )
 from pergrad.wire.codec import CodecError, encode_tensor
 from pergrad.wire.messages import gradients_request
@@ -51,9 +53,9 @@ def _filled(parts: list) -> Whole:
     return whole.whole()
 
 
-def _tensors(request: Whole) -> dict[str, np.ndarray]:
-    """Every tensor of the request as the server reads it, by name."""
-    return {name: request.array(t, name) for name, t in request_tensors(request.message)}
+def _tensors(request: Whole) -> dict[Key, np.ndarray]:
+    """Every tensor of the request as the server reads it, by key."""
+    return {key: request.array(t, key) for key, t in tensor_keys(request.message)}
 
 
 def _without_bytes(message: Request) -> Request:
@@ -100,8 +102,8 @@ def test_chunked_tensors_reach_the_server_as_read_only_arrays_not_through_the_me
     """Filling a bytes field and reading it back would copy a large request twice."""
     whole = _filled(in_chunks(_request(300 * KIB, 8 * KIB), inline_bytes=100 * KIB))
     assert whole.message.inputs.chunked and not whole.message.inputs.content
-    assert list(whole.arrays) == ["inputs"]
-    assert not whole.array(whole.message.inputs, "inputs").flags.writeable
+    assert list(whole.arrays) == [("inputs", None)]
+    assert not whole.array(whole.message.inputs, ("inputs", None)).flags.writeable
 
 
 def _built(inputs: int, labels: int) -> Whole:
@@ -131,6 +133,32 @@ def test_splitting_a_built_request_leaves_it_unchanged_for_a_retry() -> None:
     first = in_chunks(built, inline_bytes=KIB)
     assert built.message.SerializeToString() == message and built.arrays == arrays
     assert in_chunks(built, inline_bytes=KIB) == first
+
+
+def test_map_keys_alike_in_their_first_hundred_characters_keep_their_own_bytes() -> None:
+    """Errors cut a long key short (`quoted`); a tensor's array is kept by its whole key."""
+    step = pb.StepRequest(model="m", expected_batch_size=1)
+    sums = {f"{'a' * 120}/{end}": np.full(64 * KIB, i, np.float32) for i, end in enumerate("qv")}
+    for name, total in sums.items():
+        step.gradient_sum[name].CopyFrom(encode_tensor(total))
+    whole = _filled(in_chunks(step, inline_bytes=KIB))
+    for name, total in sums.items():
+        got = whole.array(whole.message.gradient_sum[name], ("gradient_sum", name))
+        np.testing.assert_array_equal(got, total)
+
+
+def test_a_built_request_keyed_by_string_subclasses_sends_every_array() -> None:
+    """numpy's str_ (and a StrEnum) repr otherwise than the string protobuf keeps."""
+    x = {np.str_("pixels"): np.ones((2, 300 * KIB // 8), np.float32)}
+    dot = CATALOGUE.get("dot")
+    built = gradients_request(
+        "m",
+        x,
+        np.zeros(2, np.int32),
+        reduction=dot,
+        options={"reference": {np.str_("w"): np.ones((1, 4))}},
+    )
+    assert_same_request(_filled(in_chunks(built, inline_bytes=KIB)), built.inline())
 
 
 def test_splitting_leaves_the_request_unchanged_for_a_retry() -> None:
