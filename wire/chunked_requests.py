@@ -23,6 +23,7 @@ from pergrad.wire.codec import (
     checked_shape,
     declared_nbytes,
     decode_tensor,
+    encode_tensor,
     numpy_dtype,
     wire_bytes,
 )
@@ -130,11 +131,14 @@ def in_chunks(
     moved = _moved(sizes, inline_bytes)
     if not moved and not whole.arrays:
         return [whole.message]
-    header = copy.deepcopy(whole.message)  # small, unless a tensor held inline is moved
+    # The header: small, unless a tensor held inline is moved. An array kept inline goes
+    # in as a Tensor of its own: its bytes set in place, the header then took 2.0 ms to
+    # serialize at 0.8 MiB here, against 0.2.
+    header = copy.deepcopy(whole.message)
     tensors = [tensor for _, tensor in tensor_keys(header)]
     for position, (tensor, array) in enumerate(zip(tensors, arrays, strict=True)):
         if array is not None and position not in moved:
-            tensor.content, tensor.chunked = bytes(wire_bytes(array)), False
+            tensor.CopyFrom(encode_tensor(array))
     field = _CHUNK_FIELD[type(header)]
     chunks: list[Request | bytes] = []
     for index, position in enumerate(moved):
@@ -190,7 +194,7 @@ class Whole:
         keyed = tensor_keys(message)
         for (_, tensor), array in zip(keyed, self.arrays_of(keyed), strict=True):
             if array is not None:
-                tensor.content, tensor.chunked = bytes(wire_bytes(array)), False
+                tensor.CopyFrom(encode_tensor(array))
         return message
 
     def part(self, name: str) -> Whole:
