@@ -85,12 +85,6 @@ def tensor_name(key: Key) -> str:
     return field if name is None else f"{field}[{quoted(name)}]"
 
 
-def request_tensors(message: Message) -> list[tuple[str, tensor_pb2.Tensor]]:
-    """Every tensor of a GradientsRequest or StepRequest, named (`tensor_name`), in the
-    order that numbers the chunked ones; none for any other message."""
-    return [(tensor_name(key), tensor) for key, tensor in tensor_keys(message)]
-
-
 def _nbytes(what: str, tensor: tensor_pb2.Tensor) -> int:
     """The bytes a tensor's dtype and shape declare (refused where no array could hold
     them, before anything is allocated)."""
@@ -121,7 +115,7 @@ def in_chunks(
     their bytes as serialized chunk messages. A `Whole`'s arrays go as they are, never
     copied into its message first: inline into the header, or as chunks viewing them
     (the request itself unchanged: a retry sends it again)."""
-    whole = request if isinstance(request, Whole) else Whole(request)
+    whole = Whole.of(request)
     keyed = tensor_keys(whole.message)
     arrays = whole.arrays_of(keyed)
     sizes = [
@@ -163,6 +157,11 @@ class Whole:
 
     message: Any  # a GradientsRequest or StepRequest; any other message, whole
     arrays: Mapping[Key, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, request: Any) -> Whole:
+        """`request` itself if a `Whole`, else the message with no arrays beside it."""
+        return request if isinstance(request, Whole) else cls(request)
 
     @property
     def model(self) -> str:
@@ -227,15 +226,11 @@ class Chunked:
         if is_chunk(message) or (batch is not None and batch.HasField("chunk")):
             raise CodecError(f"{type(message).__name__}: a chunk where a request was due")
         self._message = message
-        self._chunked = [(k, t) for k, t in tensor_keys(message) if t.chunked]
-        self._names = [tensor_name(key) for key, _ in self._chunked]
-        for what, (_, tensor) in zip(self._names, self._chunked, strict=True):
+        self._chunked = [(k, tensor_name(k), t) for k, t in tensor_keys(message) if t.chunked]
+        for _, what, tensor in self._chunked:
             if tensor.content:
                 raise CodecError(f"{what}: chunked, yet holds {len(tensor.content)} bytes")
-        self._sizes = [
-            _nbytes(what, tensor)
-            for what, (_, tensor) in zip(self._names, self._chunked, strict=True)
-        ]
+        self._sizes = [_nbytes(what, tensor) for _, what, tensor in self._chunked]
         self.nbytes = sum(self._sizes)
         self._assembler: TensorAssembler | None = None
 
@@ -244,7 +239,7 @@ class Chunked:
         `dot`'s references nor a step's gradient sum)."""
         return [
             (what, int(tensor.shape[0]))
-            for what, ((field, _), tensor) in zip(self._names, self._chunked, strict=True)
+            for (field, _), what, tensor in self._chunked
             if tensor.shape and field.removeprefix("batch.") in _EXAMPLES
         ]
 
@@ -282,7 +277,7 @@ class Chunked:
         arrays = self._assembly().arrays()
         for array in arrays:
             array.flags.writeable = False  # as read-only as a view of a message's bytes
-        keys = [key for key, _ in self._chunked]
+        keys = [key for key, _, _ in self._chunked]
         return Whole(self._message, dict(zip(keys, arrays, strict=True)))
 
     def _assembly(self) -> TensorAssembler:
@@ -290,7 +285,7 @@ class Chunked:
         if self._assembler is None:
             specs = [
                 tensor_pb2.TensorSpec(name=what, dtype=t.dtype, shape=t.shape)
-                for what, (_, t) in zip(self._names, self._chunked, strict=True)
+                for _, what, t in self._chunked
             ]
             self._assembler = TensorAssembler(specs)
         return self._assembler

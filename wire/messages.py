@@ -136,7 +136,7 @@ def _get_option(request: Whole, option: Option) -> Any:
 def parse_request(request: pb.GradientsRequest | Whole, catalogue: Catalogue = CATALOGUE) -> Asked:
     """The reduction, variables and checked options of `request` (OptionError or
     CodecError say what is wrong)."""
-    whole = request if isinstance(request, Whole) else Whole(request)
+    whole = Whole.of(request)
     message = whole.message
     reduction = catalogue.by_number(message.reduction)
     own = {option.field for option in reduction.options}

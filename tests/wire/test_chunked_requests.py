@@ -16,8 +16,8 @@ from pergrad.wire.chunked_requests import (
     Whole,
     in_chunks,
     is_chunk,
-    request_tensors,
     tensor_keys,
+    tensor_name,
 )
 from pergrad.wire.codec import CodecError, encode_tensor
 from pergrad.wire.messages import gradients_request
@@ -62,7 +62,7 @@ def _without_bytes(message: Request) -> Request:
     """The message with every tensor's bytes left out, none marked chunked."""
     copy = type(message)()
     copy.CopyFrom(message)
-    for _, tensor in request_tensors(copy):
+    for _, tensor in tensor_keys(copy):
         tensor.content, tensor.chunked = b"", False
     return copy
 
@@ -85,7 +85,7 @@ def test_a_request_within_the_inline_bytes_travels_as_one_message() -> None:
 def test_the_largest_tensors_are_chunked_until_the_rest_fit() -> None:
     request = _request(300 * KIB, 8 * KIB, a=200 * KIB, b=50 * KIB)
     header, *chunks = _parsed(in_chunks(request, inline_bytes=100 * KIB, chunk_bytes=64 * KIB))
-    chunked = [what for what, tensor in request_tensors(header) if tensor.chunked]
+    chunked = [tensor_name(k) for k, tensor in tensor_keys(header) if tensor.chunked]
     assert chunked == ["inputs", "reference['a']"]
     assert all(is_chunk(c) and len(c.ListFields()) == 1 for c in chunks)
     assert sorted({c.chunk.tensor for c in chunks}) == [0, 1]  # numbered in the proto's order
@@ -117,7 +117,7 @@ def test_a_built_request_in_chunks_is_the_request_inline_byte_for_byte() -> None
     built = _built(300 * KIB, 40 * KIB)
     parts = in_chunks(built, inline_bytes=100 * KIB, chunk_bytes=64 * KIB)
     header = _parsed(parts)[0]
-    assert [w for w, t in request_tensors(header) if t.chunked] == ["inputs"]
+    assert [tensor_name(k) for k, t in tensor_keys(header) if t.chunked] == ["inputs"]
     assert len(header.labels.content) == 40 * KIB  # the smaller tensor inline, from its array
     assert_same_request(_filled(parts), built.inline())
 
@@ -172,7 +172,7 @@ def test_splitting_leaves_the_request_unchanged_for_a_retry() -> None:
 def test_a_step_numbers_its_batch_tensors_before_its_gradient_sum() -> None:
     step = pb.StepRequest(model="m", batch=_request(64 * KIB, 64 * KIB))
     step.gradient_sum["w"].CopyFrom(encode_tensor(np.ones(16 * KIB, np.float32)))
-    assert [w for w, _ in request_tensors(step)] == [
+    assert [tensor_name(k) for k, _ in tensor_keys(step)] == [
         "batch.inputs",
         "batch.labels",
         "gradient_sum['w']",

@@ -21,7 +21,7 @@ from pergrad.wire.chunked_requests import (
     MESSAGE_BYTES,
     MIN_CHUNK_BYTES,
     in_chunks,
-    request_tensors,
+    tensor_keys,
 )
 from pergrad.wire.codec import encode_tensor
 from pergrad.wire.messages import gradients_request
@@ -115,7 +115,7 @@ def test_a_step_applies_a_gradient_sum_sent_in_chunks_bit_for_bit(
         for name, total in sums.items():
             step.gradient_sum[name].CopyFrom(encode_tensor(total))
         parts = in_chunks(step, inline_bytes=KIB)
-        assert sum(tensor.chunked for _, tensor in request_tensors(parts[0])) == 2
+        assert sum(tensor.chunked for _, tensor in tensor_keys(parts[0])) == 2
         _call(channel, "ApplyStep", iter(parts))
         _, after = client.get_weights("mnist_mlp")
     for name, old in before.items():
