@@ -19,15 +19,16 @@ import grpc.experimental
 
 from pergrad.client._credentials import Security
 from pergrad.client._methods import Methods
+from pergrad.client._retry import BACKOFF_GROWTH, FIRST_BACKOFF_S, MAX_BACKOFF_S, RETRYABLE
 from pergrad.client._types import PergradError
 from pergrad.wire.rpc import SERVICE, SERVICE_NAME
 
 MAX_RECEIVE_BYTES = 64 << 20
 
 # Retries happen only before a response arrives; a replica that dies mid-stream is
-# retried by the client itself (requests are idempotent). Only methods sent as one message
-# are retried by gRPC: a request-streaming call under a retry policy could outlive its
-# deadline, never ending, once its server stopped (grpcio 1.85; grpc/grpc#41036).
+# retried by the client itself (`_retry`). Only methods sent as one message are retried
+# by gRPC: a request-streaming call under a retry policy could outlive its deadline,
+# never ending, once its server stopped (grpcio 1.85; grpc/grpc#41036).
 SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [
@@ -39,10 +40,10 @@ SERVICE_CONFIG = {
             ],
             "retryPolicy": {
                 "maxAttempts": 4,
-                "initialBackoff": "0.1s",
-                "maxBackoff": "1s",
-                "backoffMultiplier": 2,
-                "retryableStatusCodes": ["UNAVAILABLE"],
+                "initialBackoff": f"{FIRST_BACKOFF_S}s",
+                "maxBackoff": f"{MAX_BACKOFF_S}s",
+                "backoffMultiplier": BACKOFF_GROWTH,
+                "retryableStatusCodes": [code.name for code in RETRYABLE],
             },
         }
     ],

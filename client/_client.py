@@ -42,7 +42,7 @@ class GradientClient:
         micro_batch: split a batch into micro-batches of this many examples, computed
             concurrently (on several replicas) and reassembled in order. A batch is
             split anyway where one request could not hold it (the server's limits).
-        retries: times a call that found its replica gone is sent again.
+        retries: times a call that found its replica gone is sent again (a step: if pinned).
         max_model_bytes: the most bytes a model's variables may declare (16 GiB): a
             server declaring more, or answering anything malformed, is not believed
             (PergradError with DATA_LOSS).
@@ -279,6 +279,10 @@ class GradientClient:
         the error (one failing as it applies leaves the others stepped: `set_weights`
         on all brings them level, starting every optimizer afresh). A batch larger than
         one request may hold is computed in parts, as on several replicas.
+
+        A pinned step (`model_version` or `weights_id`; on several replicas, every one)
+        is sent again while its server is unavailable (`retries`); an unpinned one may
+        have been applied before its server went away, and is not.
         """
         call = self._call(model, reduction=reduction, model_version=model_version, **options)
         batch = step_call(call)  # refused here, before any replica computes
@@ -286,11 +290,11 @@ class GradientClient:
         info, y, timeout = self._info(model), np.asarray(y), timeout or self._timeout
         in_one_request = batch.examples_per_request(info, x, y) >= rows_of(y)
         if len(self._replicas.addresses) == 1 and in_one_request:
-            done = on_one(self._methods.step, info, batch, x, y, step, timeout)
+            done = on_one(self._methods.step, info, batch, x, y, step, timeout, self._retries)
         else:
             options.update(reduction=reduction, model_version=model_version)
             result = self.per_example_gradients(model, x, y, timeout=timeout, **options)
             step.model_version = 0
-            done = on_all(self._writer, info, result, call, step, timeout)
+            done = on_all(self._writer, info, result, call, step, timeout, self._retries)
         self._known.seen(model, done.model_version, done.weights_id)
         return done

@@ -14,6 +14,7 @@ import numpy as np
 
 from pergrad.client._call import Call, request_examples
 from pergrad.client._receive import read_results
+from pergrad.client._retry import retried
 from pergrad.client._types import (
     MixedPlansWarning,
     ModelInfo,
@@ -25,9 +26,6 @@ from pergrad.wire.casting import rows
 from pergrad.wire.chunked_requests import Whole
 from pergrad.wire.results import GradientResult, merge
 
-# A replica that dies mid-call answers UNAVAILABLE; its share goes to another replica.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-
 
 def computed(
     compute_call: Callable[..., Any],
@@ -38,20 +36,21 @@ def computed(
     retries: int,
     out: GradientResult | None = None,
 ) -> GradientResult:
-    """The result of one request, sent again while its replica is gone and retries remain."""
+    """The result of one request, sent again while its replica is gone and retries remain
+    (on several replicas, a request's retry goes to another one)."""
     expected = call.expected(info, request_examples(request))
-    for attempt in range(retries + 1):
-        try:
-            responses = compute_call(request, timeout=call.timeout)
-            results = [r for _, r in read_results(responses, lambda _: expected, out=out)]
-        except grpc.RpcError as err:
-            if err.code() in RETRYABLE and attempt < retries:
-                continue
-            raise from_rpc_error(err) from None
-        if len(results) != 1:
-            raise data_loss(f"{len(results)} results for one request")
-        return results[0]
-    raise AssertionError("unreachable")
+
+    def send() -> list[GradientResult]:
+        responses = compute_call(request, timeout=call.timeout)
+        return [r for _, r in read_results(responses, lambda _: expected, out=out)]
+
+    try:
+        results = retried(send, retries)
+    except grpc.RpcError as err:
+        raise from_rpc_error(err) from None
+    if len(results) != 1:
+        raise data_loss(f"{len(results)} results for one request")
+    return results[0]
 
 
 def check_versions(parts: list[GradientResult]) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from pergrad.client._call import Call
 from pergrad.client._methods import Methods
+from pergrad.client._retry import retried
 from pergrad.client._types import ModelInfo, PergradError, answer_checked, invalid
 from pergrad.client._weights import WeightsWriter
 from pergrad.v1 import gradient_service_pb2 as pb
@@ -79,13 +80,16 @@ def on_one(
     y: Any,
     step: pb.StepRequest,
     timeout: float | None,
+    retries: int,
 ) -> StepResult:
     """The whole step in one ApplyStep: the batch goes, the weights stay on the server.
-    `call` is the batch's part (`step_call`)."""
+    `call` is the batch's part (`step_call`). Sent again while the server is unavailable
+    only if pinned (`pinned`)."""
     batch = call.request(info, x, y)
     step.batch.CopyFrom(batch.message)  # its tensors announced: their bytes are arrays
     arrays = {(f"batch.{field}", key): array for (field, key), array in batch.arrays.items()}
-    reply = stub_call(Whole(step, arrays), timeout=timeout)
+    sent = Whole(step, arrays)
+    reply = retried(lambda: stub_call(sent, timeout=timeout), retries if pinned(step) else 0)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
         norms = decode_tensor(reply.norms, what="norms") if reply.HasField("norms") else None
@@ -101,6 +105,13 @@ def on_one(
     )
 
 
+def pinned(step: pb.StepRequest) -> bool:
+    """Whether the step names the weights it applies to: sent again after its server
+    went away mid-call, it is refused (FAILED_PRECONDITION) if the first one was applied,
+    where an unpinned one would be applied twice."""
+    return bool(step.model_version or step.weights_id)
+
+
 def on_all(
     writer: WeightsWriter,
     info: ModelInfo,
@@ -108,9 +119,11 @@ def on_all(
     call: Call,
     step: pb.StepRequest,
     timeout: float | None,
+    retries: int,
 ) -> StepResult:
     """Every replica applies the same sum (of `result`, computed on any of them at its
-    weights) with one new version, pinned to the weights the sum was computed with."""
+    weights) with one new version, pinned to the weights the sum was computed with (so
+    sent again to a replica while it is unavailable)."""
     total = getattr(result, STEP_SUMS[call.reduction.name])
     arrays: dict[Key, np.ndarray] = {}
     for name, array in total.items():
@@ -122,7 +135,7 @@ def on_all(
     sent = Whole(step, arrays)  # each replica's messages made from the arrays
 
     def apply(methods: Methods) -> pb.StepResponse:
-        return methods.step(sent, timeout=timeout)
+        return retried(lambda: methods.step(sent, timeout=timeout), retries)
 
     replies = writer.on_all(apply)
     first = replies[0]

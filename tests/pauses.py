@@ -10,6 +10,10 @@ from contextlib import contextmanager
 import keras
 import tensorflow as tf
 
+from pergrad.server.main import RunningServer, start
+from pergrad.server.models.registry import ModelRegistry, serve_model
+from tests.helpers import loopback_config
+
 
 class Pause(keras.layers.Layer):
     """The identity, which calls `pause` on each pass's batch in Python (a py_function)."""
@@ -51,3 +55,15 @@ class Gate(Pause):
     def pause(self, batch: tf.Tensor) -> None:
         self.entered.release()
         self.opened.wait(60)
+
+
+def gated_server(**settings: object) -> tuple[Gate, RunningServer]:
+    """A server (`loopback_config(**settings)`) of one small model, "gated", whose passes
+    its gate can hold; servers made alike hold equal weights."""
+    gate = Gate(name="gate")
+    inputs = keras.Input((4,))
+    init = keras.initializers.GlorotUniform(1)
+    outputs = keras.layers.Dense(3, kernel_initializer=init, name="head")(gate(inputs))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    served = serve_model("gated", keras.Model(inputs, outputs), loss=loss, jit_compile=False)
+    return gate, start(loopback_config(**settings), ModelRegistry([served]))

@@ -11,14 +11,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import keras
 import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, MixedPlansWarning, PergradError
-from pergrad.server.main import RunningServer, start
+from pergrad.server.main import start
 from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
-from pergrad.server.models.registry import ModelRegistry, serve_model
 from tests import oracle
 from tests.helpers import (
     assert_close,
@@ -28,7 +26,7 @@ from tests.helpers import (
     spawn_server,
     stop_server,
 )
-from tests.pauses import Gate
+from tests.pauses import gated_server
 
 MODEL = "mnist_cnn"
 FLAGS = ("--model", MODEL, "--jit-compile", "off")
@@ -249,18 +247,6 @@ def test_steps_leave_every_replica_on_the_same_weights_version_and_state(
     assert after[0] == after[1]
 
 
-def _gated_replica(index: int) -> tuple[Gate, RunningServer]:
-    """A replica whose passes a gate can hold; replicas made alike have equal weights."""
-    gate = Gate(name="gate")
-    inputs = keras.Input((4,))
-    init = keras.initializers.GlorotUniform(1)
-    outputs = keras.layers.Dense(3, kernel_initializer=init, name="head")(gate(inputs))
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    served = serve_model("gated", keras.Model(inputs, outputs), loss=loss, jit_compile=False)
-    config = loopback_config(replica_name=f"r{index}", max_coalesced_batch=0)
-    return gate, start(config, ModelRegistry([served]))
-
-
 def test_replicas_whose_optimizer_states_differ_are_found_out(trained_replicas) -> None:
     """One replica stepped alone, the other set to its weights (a fresh state): a step on
     both makes different weights under one version, and says so."""
@@ -283,7 +269,9 @@ def test_a_replica_dying_during_the_steps_pass_is_named_and_no_replica_applies_i
     """The step's micro-batch is in the victim's pass when the victim stops at once (no
     grace: its calls end, its port closes): the step fails naming it, and the survivor
     stays on the weights the step started from."""
-    (gate, victim), (_, survivor) = _gated_replica(0), _gated_replica(1)
+    (gate, victim), (_, survivor) = (
+        gated_server(replica_name=f"r{i}", max_coalesced_batch=0) for i in range(2)
+    )
     targets = [f"127.0.0.1:{server.port}" for server in (victim, survivor)]
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((16, 4)), rng.integers(0, 3, 16)

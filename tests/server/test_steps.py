@@ -17,11 +17,10 @@ import pytest
 from pergrad.client import GradientClient, PergradError
 from pergrad.server.engine import VariableSpec
 from pergrad.server.main import RunningServer, start
-from pergrad.server.models.registry import ModelRegistry, serve_model
 from pergrad.server.weights import weights_id
 from tests import oracle, spec_random
 from tests.helpers import KERAS_MODEL_NAME, assert_close, loopback_config
-from tests.pauses import Gate
+from tests.pauses import gated_server
 
 MODEL = KERAS_MODEL_NAME
 NOISE_STREAM = 2  # the proto's stream for CLIPPED_SUM noise
@@ -415,12 +414,7 @@ def test_set_weights_during_a_step_refuses_the_step_and_get_weights_sees_no_part
     """A step's pass held at a gate: meanwhile GetWeights reads the weights the step
     started from, and a SetWeights lands; the step then applies nothing
     (FAILED_PRECONDITION), and the SetWeights' weights stay."""
-    gate = Gate(name="gate")
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(3, name="head")(gate(inputs))
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    served = serve_model("gated", keras.Model(inputs, outputs), loss=loss, jit_compile=False)
-    running = start(loopback_config(), ModelRegistry([served]))
+    gate, running = gated_server()
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((8, 4)), rng.integers(0, 3, 8)
     try:
