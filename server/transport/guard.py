@@ -47,7 +47,7 @@ from pergrad.server.admission.budgets import refused_bytes
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S, share
 from pergrad.server.admission.pools import Place, Pool, take_each
-from pergrad.server.errors import PergradServerError, ResourceExhausted
+from pergrad.server.errors import PergradServerError
 from pergrad.server.status import RefusedRequest
 from pergrad.server.transport.auth import token_key
 from pergrad.server.transport.chunked import RequestBounds, whole_request
@@ -198,8 +198,8 @@ class CallGuard(grpc.ServerInterceptor):
         else:
             whole = functools.partial(self._whole, call=call, context=context)
             request = timed.one_request(iterator, whole)
-            if call is not None:
-                self._workers.wait_for(call.caller, context)
+            if call is not None and not isinstance(request, RefusedRequest):
+                self._workers.wait_for(call.caller, context)  # a refusal is answered at once
             result = arrival.behavior(request, served)
         if not handler.response_streaming:
             return result
@@ -250,8 +250,8 @@ class CallGuard(grpc.ServerInterceptor):
         """A call to the service's one request, its bytes held (`_hold`) from its first
         message, which declares them, to the call's end, and its chunks read then
         (`chunked.whole_request`: the servicer gets a `Whole` of a request that may come
-        in chunks, any other message as it is); a refusal on the way handed to the
-        servicer to answer."""
+        in chunks, any other message as it is); a refusal on the way, the hold's too,
+        handed to the servicer to answer (and count: a refused step is a failed update)."""
         if call is None or not isinstance(first, Message):
             return first  # an open service's, or malformed: its handler refuses it
         hold = functools.partial(self._hold, call=call, context=context)
@@ -263,14 +263,11 @@ class CallGuard(grpc.ServerInterceptor):
 
     def _hold(self, nbytes: int, call: calls.Call, context: grpc.ServicerContext) -> None:
         """Price the request's bytes from its arrival to the call's end
-        (`Admission.hold`), kept on its record: calls queued for a worker hold their
-        requests too."""
+        (`Admission.hold`: ResourceExhausted if they do not fit), kept on its record:
+        calls queued for a worker hold their requests too."""
         if self._admission is None:
             return
-        try:
-            release = self._admission.hold(nbytes, call.caller)
-        except ResourceExhausted as err:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        release = self._admission.hold(nbytes, call.caller)
         call.held_bytes = nbytes
         if not context.add_callback(release):
             release()

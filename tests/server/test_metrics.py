@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, PergradError
-from pergrad.server.main import RunningServer
+from pergrad.server.main import RunningServer, start
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import gradient_service_pb2_grpc as pb_grpc
 from pergrad.v1 import tensor_pb2
 from pergrad.wire.chunked_requests import in_chunks
+from pergrad.wire.chunks import serialize
 from pergrad.wire.codec import encode_tensor
-from tests.helpers import KERAS_MODEL_NAME, batch_for
+from tests.helpers import KERAS_MODEL_NAME, batch_for, loopback_config
 from tests.prometheus import promtool, sample_names, scrape
 
 COMPUTE = "ComputePerExampleGradients"
@@ -253,6 +254,28 @@ def test_a_step_refused_while_its_chunks_are_read_is_counted_as_a_failed_update(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert _value(fresh_server, "pergrad_weights_update_failures_total", model="mnist_mlp") == 1
     assert _value(fresh_server, "pergrad_weights_version", model="mnist_mlp") == 1
+
+
+def test_a_step_refused_for_the_bytes_it_would_hold_is_counted_as_a_failed_update() -> None:
+    """A step in chunks declaring more bytes than calls may hold at once is refused by the
+    guard from its first message (--max-inflight-bytes), and counts for its model."""
+    running = start(loopback_config("mnist_mlp", max_inflight_bytes=1 << 20))
+    x, y = batch_for((784,), 10, 512)  # 1.6 MB
+    batch = pb.GradientsRequest(
+        inputs=encode_tensor(x), labels=encode_tensor(y), reduction=pb.REDUCTION_MOMENTS
+    )
+    messages = in_chunks(pb.StepRequest(model="mnist_mlp", learning_rate=0.1, batch=batch))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            apply_step = channel.stream_unary(f"/{SERVICE}/ApplyStep")
+            with pytest.raises(grpc.RpcError) as err:
+                apply_step(iter([serialize(m) for m in messages]), timeout=30)
+        failures = _value(running, "pergrad_weights_update_failures_total", model="mnist_mlp")
+    finally:
+        running.stop(0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-inflight-bytes" in err.value.details()
+    assert failures == 1
 
 
 def test_a_step_refused_before_parsing_is_counted_as_a_failed_update(
