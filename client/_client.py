@@ -42,7 +42,7 @@ class GradientClient:
         micro_batch: split a batch into micro-batches of this many examples, computed
             concurrently (on several replicas) and reassembled in order. A batch is
             split anyway where one request could not hold it (the server's limits).
-        retries: times a call that found its replica gone is sent again (a step: if pinned).
+        retries: times a call that found its replica gone is sent again.
         max_model_bytes: the most bytes a model's variables may declare (16 GiB): a
             server declaring more, or answering anything malformed, is not believed
             (PergradError with DATA_LOSS).
@@ -280,9 +280,8 @@ class GradientClient:
         on all brings them level, starting every optimizer afresh). A batch larger than
         one request may hold is computed in parts, as on several replicas.
 
-        A pinned step (`model_version` or `weights_id`; on several replicas, every one)
-        is sent again while its server is unavailable (`retries`); an unpinned one may
-        have been applied before its server went away, and is not.
+        A step is sent again while its server is unavailable (`retries`), with the id
+        it was first sent with: a server that applied it answers as it did then.
         """
         call = self._call(model, reduction=reduction, model_version=model_version, **options)
         batch = step_call(call)  # refused here, before any replica computes

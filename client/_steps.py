@@ -4,6 +4,7 @@ several replicas, the gradient sum computed once and the same update sent to eac
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +63,10 @@ def step_call(call: Call) -> Call:
 
 
 def step_request(call: Call, learning_rate: float, expected_batch_size: float) -> pb.StepRequest:
-    """The step's request, its batch set by the path that sends it (`on_one`, `on_all`)."""
+    """The step's request, its batch set by the path that sends it (`on_one`, `on_all`),
+    with an id of its own (sent again, it is not applied twice)."""
     return pb.StepRequest(
+        step_id=os.urandom(16).hex(),
         model=call.model,
         model_version=call.model_version,
         weights_id=call.weights_id,
@@ -83,13 +86,13 @@ def on_one(
     retries: int,
 ) -> StepResult:
     """The whole step in one ApplyStep: the batch goes, the weights stay on the server.
-    `call` is the batch's part (`step_call`). Sent again while the server is unavailable
-    only if pinned (`pinned`)."""
+    `call` is the batch's part (`step_call`). Sent again while the server is unavailable:
+    its step_id keeps a server from applying it twice."""
     batch = call.request(info, x, y)
     step.batch.CopyFrom(batch.message)  # its tensors announced: their bytes are arrays
     arrays = {(f"batch.{field}", key): array for (field, key), array in batch.arrays.items()}
     sent = Whole(step, arrays)
-    reply = retried(lambda: stub_call(sent, timeout=timeout), retries if pinned(step) else 0)
+    reply = retried(lambda: stub_call(sent, timeout=timeout), retries)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
         norms = decode_tensor(reply.norms, what="norms") if reply.HasField("norms") else None
@@ -105,13 +108,6 @@ def on_one(
     )
 
 
-def pinned(step: pb.StepRequest) -> bool:
-    """Whether the step names the weights it applies to: sent again after its server
-    went away mid-call, it is refused (FAILED_PRECONDITION) if the first one was applied,
-    where an unpinned one would be applied twice."""
-    return bool(step.model_version or step.weights_id)
-
-
 def on_all(
     writer: WeightsWriter,
     info: ModelInfo,
@@ -122,7 +118,7 @@ def on_all(
     retries: int,
 ) -> StepResult:
     """Every replica applies the same sum (of `result`, computed on any of them at its
-    weights) with one new version, pinned to the weights the sum was computed with (so
+    weights) with one new version, pinned to the weights the sum was computed with (and
     sent again to a replica while it is unavailable)."""
     total = getattr(result, STEP_SUMS[call.reduction.name])
     arrays: dict[Key, np.ndarray] = {}

@@ -21,7 +21,7 @@ from pergrad.server.model_info import model_info
 from pergrad.server.models.registry import ModelRegistry, ServedModel
 from pergrad.server.sharing import UNRESOLVED_COALESCING, Coalescers
 from pergrad.server.status import Refusal, parser, status
-from pergrad.server.steps import apply_step
+from pergrad.server.steps import Step, apply_step
 from pergrad.server.tracking import tracked
 from pergrad.server.transport.chunked import RequestBounds, whole_request
 from pergrad.server.transport.handlers import kind
@@ -189,11 +189,18 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
     @status
     def ApplyStep(self, request: Whole, context: grpc.ServicerContext) -> pb.StepResponse:
         served = self._registry.get(request.model)
-        step = apply_step(served, request, self._settings, self._charge(context))
+        respond = functools.partial(self._step_response, served.name)
+        response, applied = apply_step(
+            served, request, self._settings, self._charge(context), respond
+        )
+        if applied:
+            self.metrics.weights_updated(served.name, response.model_version)
+        return response
+
+    def _step_response(self, model: str, step: Step) -> pb.StepResponse:
         snapshot = step.snapshot
-        self.metrics.weights_updated(served.name, snapshot.version)
         response = pb.StepResponse(
-            model=served.name,
+            model=model,
             model_version=snapshot.version,
             weights_id=snapshot.weights_id,
             server=self._config.replica_name,

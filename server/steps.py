@@ -3,7 +3,8 @@ gradients request's, or a sum the caller gives), divided by the expected batch s
 applied by the model's optimizer (`training.Trainer`) and made current (`weights`).
 
 A model's steps take turns, each from the weights the last one left; its pins are
-checked once its turn comes. Nothing is made current before the last check: a step
+checked once its turn comes, after its id (`recent_steps`): a step sent again is answered,
+not applied twice. Nothing is made current before the last check: a step
 refused, failed or cancelled on the way leaves the weights and optimizer state as they
 were.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from pergrad.server.errors import Cancelled, InvalidArgument
 from pergrad.server.gradients import Charge, Settings, prepare, reduced
 from pergrad.server.models.registry import ServedModel
+from pergrad.server.recent_steps import checked_step_id
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.wire.catalogue import STEP_SUMS
@@ -41,12 +43,25 @@ class Step:
     moved: dict[str, float]  # ||new - old|| by variable name
 
 
-def apply_step(served: ServedModel, whole: Whole, settings: Settings, charge: Charge) -> Step:
-    """The step `whole` (a StepRequest) asks for, applied and made current."""
+def apply_step(
+    served: ServedModel,
+    whole: Whole,
+    settings: Settings,
+    charge: Charge,
+    respond: Callable[[Step], pb.StepResponse],
+) -> tuple[pb.StepResponse, bool]:
+    """The step `whole` (a StepRequest) asks for, applied and made current, and its
+    response (`respond`), True; or, for a step of an id the model applied recently (sent
+    again, its reply lost), that step's response, False. The id is looked up and recorded
+    in the model's turn, so a step sent twice at once is applied once."""
     request = whole.message
     learning_rate, given = _checked(request)
+    step_id = checked_step_id(request.step_id)
     cancelled = charge.cancelled
     with served.trainer.turn(cancelled):
+        done = served.recent_steps.get(step_id)
+        if done is not None:
+            return done, False
         snapshot = served.weights.get(request.model_version, request.weights_id)
         result: GradientResult | None = None
         total: Mapping[str, np.ndarray]
@@ -69,8 +84,10 @@ def apply_step(served: ServedModel, whole: Whole, settings: Settings, charge: Ch
             new_version=request.new_version,
             finite=stepped.finite,
         )
-    moved = dict(zip((v.name for v in served.engine.variables), stepped.moved, strict=True))
-    return Step(new, result, stepped.gradient_norm, moved)
+        moved = dict(zip((v.name for v in served.engine.variables), stepped.moved, strict=True))
+        response = respond(Step(new, result, stepped.gradient_norm, moved))
+        served.recent_steps.add(step_id, response)
+    return response, True
 
 
 def _checked(request: pb.StepRequest) -> tuple[float, bool]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from pergrad.server.models.builtin import BUILTIN_MODELS, LOSS
 from pergrad.server.models.keras_file import ModelLoadError, load_keras_file, resolve_model_path
 from pergrad.server.models.lora import enable_lora, warn_if_lora_lost
 from pergrad.server.optimizer_spec import OptimizerSpec, parse_optimizer
+from pergrad.server.recent_steps import RecentSteps
 from pergrad.server.training import Trainer
 from pergrad.server.weights import WeightsStore
 from pergrad.wire.text import quoted
@@ -36,6 +37,7 @@ class ServedModel:
     weights: WeightsStore
     trainer: Trainer
     lora: str = ""  # what --lora enabled (ModelInfo.lora); empty: off
+    recent_steps: RecentSteps = field(default_factory=RecentSteps)
 
 
 def serve_model(

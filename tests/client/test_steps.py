@@ -1,4 +1,4 @@
-"""A step whose server goes away mid-call: sent again only when pinned (client/_steps.py).
+"""A step whose server goes away mid-call is sent again (client/_steps.py).
 
 The step's pass is held at its server's gate while a second server, of equal weights,
 listens on the same port (gRPC's servers share a port, SO_REUSEPORT); the first then
@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import pytest
 
-from pergrad.client import GradientClient, PergradError, StepResult
+from pergrad.client import GradientClient, StepResult
+from pergrad.client._call import Call
+from pergrad.client._steps import step_request
 from pergrad.server.main import RunningServer
+from pergrad.server.recent_steps import MAX_STEP_ID_CHARS
 from tests.pauses import gated_server
 
 MODEL = "gated"
@@ -48,20 +50,29 @@ def _step_when_its_server_goes(servers: list[RunningServer], *, pinned: bool) ->
         return step.result(timeout=120)
 
 
-def test_a_pinned_step_is_sent_again_to_the_server_that_took_its_place(servers) -> None:
-    done = _step_when_its_server_goes(servers, pinned=True)
-    second = servers[1]
-    with GradientClient(f"127.0.0.1:{second.port}") as client:
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+def test_a_step_is_sent_again_to_the_server_that_took_its_place(servers, pinned) -> None:
+    done = _step_when_its_server_goes(servers, pinned=pinned)
+    with GradientClient(f"127.0.0.1:{servers[1].port}") as client:
         info = client.model_info(MODEL)
     assert done.server == "second"
     assert (info.model_version, info.weights_id) == (done.model_version, done.weights_id)
     assert done.model_version == 2
 
 
-def test_an_unpinned_step_is_not_sent_again(servers) -> None:
-    with pytest.raises(PergradError) as gone:
-        _step_when_its_server_goes(servers, pinned=False)
-    with GradientClient(f"127.0.0.1:{servers[1].port}") as client:
-        info = client.model_info(MODEL)
-    assert gone.value.code == grpc.StatusCode.UNAVAILABLE
-    assert info.model_version == 1
+def test_each_step_has_an_id_of_its_own(servers) -> None:
+    """Two steps of the same batch are two steps: each applied (the ids are the client's,
+    fresh for each)."""
+    _, server = gated_server()
+    servers.append(server)
+    x, y = np.random.default_rng(0).standard_normal((8, 4)), np.arange(8) % 3
+    with GradientClient(f"127.0.0.1:{server.port}") as client:
+        versions = [client.step(MODEL, x, y, learning_rate=0.1, max_norm=1.0) for _ in range(2)]
+    assert [v.model_version for v in versions] == [2, 3]
+
+
+def test_every_step_request_has_a_fresh_id_within_the_servers_bound() -> None:
+    call = Call.of(MODEL, reduction="clipped_sum", max_norm=1.0)
+    ids = [step_request(call, 0.1, 0).step_id for _ in range(100)]
+    assert len(set(ids)) == len(ids)
+    assert all(0 < len(step_id) <= MAX_STEP_ID_CHARS for step_id in ids)

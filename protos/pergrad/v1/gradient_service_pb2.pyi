@@ -221,7 +221,7 @@ class ResultHeader(_message.Message):
     def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., batch_size: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[ResultTensor, _Mapping]]] = ..., server: _Optional[str] = ..., weights_id: _Optional[str] = ..., plan_id: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("model", "model_version", "weights_id", "new_version", "batch", "gradient_sum", "learning_rate", "expected_batch_size", "chunk")
+    __slots__ = ("model", "model_version", "weights_id", "new_version", "batch", "gradient_sum", "learning_rate", "expected_batch_size", "chunk", "step_id")
     class GradientSumEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class StepRequest(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: int
     weights_id: str
@@ -247,7 +248,8 @@ class StepRequest(_message.Message):
     learning_rate: float
     expected_batch_size: float
     chunk: _tensor_pb2.TensorChunk
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., new_version: _Optional[int] = ..., batch: _Optional[_Union[GradientsRequest, _Mapping]] = ..., gradient_sum: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., learning_rate: _Optional[float] = ..., expected_batch_size: _Optional[float] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    step_id: str
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[int] = ..., weights_id: _Optional[str] = ..., new_version: _Optional[int] = ..., batch: _Optional[_Union[GradientsRequest, _Mapping]] = ..., gradient_sum: _Optional[_Mapping[str, _tensor_pb2.Tensor]] = ..., learning_rate: _Optional[float] = ..., expected_batch_size: _Optional[float] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., step_id: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("model", "model_version", "weights_id", "server", "losses", "norms", "num_clipped", "gradient_norm", "update_norms")
