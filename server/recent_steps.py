@@ -9,7 +9,8 @@ from collections import OrderedDict
 from pergrad.server.errors import InvalidArgument
 from pergrad.v1 import gradient_service_pb2 as pb
 
-# Responses kept per model (a few KB each: a batch's losses and norms), and the longest id.
+# Responses kept per model (8 bytes an example, losses and norms, and a number a variable:
+# 2 MB at most for --max-batch 4096), and the longest id.
 RECENT_STEPS = 64
 MAX_STEP_ID_CHARS = 128
 

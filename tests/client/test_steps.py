@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from pergrad.client import GradientClient, StepResult
 from pergrad.client._call import Call
-from pergrad.client._steps import step_request
+from pergrad.client._methods import Methods
+from pergrad.client._steps import on_one, step_call, step_request
 from pergrad.server.main import RunningServer
 from pergrad.server.recent_steps import MAX_STEP_ID_CHARS
 from tests.pauses import gated_server
@@ -76,3 +79,40 @@ def test_every_step_request_has_a_fresh_id_within_the_servers_bound() -> None:
     ids = [step_request(call, 0.1, 0).step_id for _ in range(100)]
     assert len(set(ids)) == len(ids)
     assert all(0 < len(step_id) <= MAX_STEP_ID_CHARS for step_id in ids)
+
+
+class _ReplyLost(grpc.RpcError):
+    """What a call whose connection dropped after the server answered ends with."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the reply was lost"
+
+
+def test_a_step_whose_reply_was_lost_is_applied_once(servers) -> None:
+    """The first attempt reaches the server and is applied; its reply never reaches the
+    client. The step sent again carries the same id, and the server answers it as it did
+    the first time."""
+    _, server = gated_server()
+    servers.append(server)
+    target = f"127.0.0.1:{server.port}"
+    x, y = np.random.default_rng(0).standard_normal((8, 4)), np.arange(8) % 3
+    with GradientClient(target) as client, grpc.insecure_channel(target) as channel:
+        info = client.model_info(MODEL)
+        methods, first = Methods(channel), []
+
+        def reply_lost_once(request: Any, **kwargs: Any) -> Any:
+            reply = methods.step(request, **kwargs)
+            if not first:
+                first.append(reply)
+                raise _ReplyLost()
+            return reply
+
+        call = Call.of(MODEL, reduction="clipped_sum", max_norm=1.0)
+        batch, step = step_call(call), step_request(call, 0.1, 0)
+        done = on_one(reply_lost_once, info, batch, x, y, step, 60, retries=2)
+        after = client.model_info(MODEL)
+    assert (done.model_version, done.weights_id) == (2, first[0].weights_id)
+    assert (after.model_version, after.weights_id) == (2, done.weights_id)

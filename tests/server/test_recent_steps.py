@@ -82,7 +82,7 @@ def test_an_id_over_the_limit_is_invalid_argument(fresh_server) -> None:
 def test_the_proto_states_the_bounds() -> None:
     text = " ".join(PROTO.read_text().split())
     assert f"at most {MAX_STEP_ID_CHARS} characters" in text
-    assert f"among the last {RECENT_STEPS} this server applied" in text
+    assert f"among the last {RECENT_STEPS} with an id this server applied" in text
 
 
 def test_a_step_sent_twice_at_once_is_applied_once() -> None:
