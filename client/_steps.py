@@ -88,10 +88,7 @@ def on_one(
     """The whole step in one ApplyStep: the batch goes, the weights stay on the server.
     `call` is the batch's part (`step_call`). Sent again while the server is unavailable:
     its step_id keeps a server from applying it twice."""
-    batch = call.request(info, x, y)
-    step.batch.CopyFrom(batch.message)  # its tensors announced: their bytes are arrays
-    arrays = {(f"batch.{field}", key): array for (field, key), array in batch.arrays.items()}
-    sent = Whole(step, arrays)
+    sent = call.request(info, x, y).within(step, "batch")  # its arrays sent from where they are
     reply = retried(lambda: stub_call(sent, timeout=timeout), retries)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")

@@ -196,6 +196,13 @@ class Whole:
                 tensor.CopyFrom(encode_tensor(array))
         return message
 
+    def within(self, outer: Any, name: str) -> Whole:
+        """`outer` (a StepRequest) holding this request in its field `name`, with its
+        arrays (the inverse of `part`)."""
+        getattr(outer, name).CopyFrom(self.message)
+        arrays = {(f"{name}.{field}", key): array for (field, key), array in self.arrays.items()}
+        return Whole(outer, arrays)
+
     def part(self, name: str) -> Whole:
         """The request its field `name` holds (a StepRequest's batch), with its arrays."""
         prefix = f"{name}."

@@ -135,6 +135,15 @@ def test_splitting_a_built_request_leaves_it_unchanged_for_a_retry() -> None:
     assert in_chunks(built, inline_bytes=KIB) == first
 
 
+def test_a_built_batch_within_a_step_sends_the_step_of_that_batch() -> None:
+    """`within` puts a request in a step's field with its arrays; `part` takes it out."""
+    built = _built(300 * KIB, 8 * KIB)
+    step = built.within(pb.StepRequest(model="m", learning_rate=0.1), "batch")
+    expected = pb.StepRequest(model="m", learning_rate=0.1, batch=built.inline())
+    assert_same_request(_filled(in_chunks(step, inline_bytes=KIB)), expected)
+    assert step.part("batch").arrays == built.arrays
+
+
 def test_map_keys_alike_in_their_first_hundred_characters_keep_their_own_bytes() -> None:
     """Errors cut a long key short (`quoted`); a tensor's array is kept by its whole key."""
     step = pb.StepRequest(model="m", expected_batch_size=1)
