@@ -36,13 +36,14 @@ class GradientClient:
         security: TLS, client certificates and a token (`Security`); plaintext without.
             Its fields may be given as keywords instead (`tls=True`, `token=`, ...: the
             fields of `Security.of`).
-        timeout: default deadline in seconds for each call.
+        timeout: default deadline in seconds for each call, its retries included.
         chunk_bytes: size of the chunks `set_weights` sends.
         max_in_flight: batches `stream` keeps on the wire before waiting for results.
         micro_batch: split a batch into micro-batches of this many examples, computed
             concurrently (on several replicas) and reassembled in order. A batch is
             split anyway where one request could not hold it (the server's limits).
-        retries: times a call that found its replica gone is sent again.
+        retries: times a call that found its replica gone is sent again, within its
+            timeout.
         max_model_bytes: the most bytes a model's variables may declare (16 GiB): a
             server declaring more, or answering anything malformed, is not believed
             (PergradError with DATA_LOSS).

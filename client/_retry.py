@@ -1,6 +1,6 @@
 """A call sent again while its server is unavailable, for the calls the channel's retry
 policy cannot cover: those that stream their request (grpc/grpc#41036), retried with the
-policy's own backoff."""
+policy's own backoff and, as gRPC's retries do, within the call's one deadline."""
 
 from __future__ import annotations
 
@@ -23,14 +23,23 @@ def backoff_s(attempt: int) -> float:
     return min(FIRST_BACKOFF_S * BACKOFF_GROWTH**attempt, MAX_BACKOFF_S)
 
 
-def retried(send: Callable[[], T], retries: int) -> T:
-    """send(), sent again up to `retries` times while it fails with a RETRYABLE status;
-    any other error, or the last one, is raised as it is."""
+def retried(send: Callable[[float | None], T], retries: int, timeout: float | None) -> T:
+    """send(the seconds left), sent again up to `retries` times while it fails with a
+    RETRYABLE status. `timeout` bounds the attempts and their backoffs together: a retry
+    whose backoff would end past it is not made. Any other error, or the last one, is
+    raised as it is."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else deadline - time.monotonic()
+
     for attempt in range(retries):
+        wait = backoff_s(attempt)
         try:
-            return send()
+            return send(left())
         except grpc.RpcError as err:
-            if err.code() not in RETRYABLE:
+            time_left = left()
+            if err.code() not in RETRYABLE or (time_left is not None and time_left <= wait):
                 raise
-        time.sleep(backoff_s(attempt))
-    return send()
+        time.sleep(wait)
+    return send(left())

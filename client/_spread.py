@@ -40,12 +40,12 @@ def computed(
     (on several replicas, a request's retry goes to another one)."""
     expected = call.expected(info, request_examples(request))
 
-    def send() -> list[GradientResult]:
-        responses = compute_call(request, timeout=call.timeout)
+    def send(left: float | None) -> list[GradientResult]:
+        responses = compute_call(request, timeout=left)
         return [r for _, r in read_results(responses, lambda _: expected, out=out)]
 
     try:
-        results = retried(send, retries)
+        results = retried(send, retries, call.timeout)
     except grpc.RpcError as err:
         raise from_rpc_error(err) from None
     if len(results) != 1:

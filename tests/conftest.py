@@ -123,3 +123,12 @@ def client(server: RunningServer) -> Iterator[GradientClient]:
 def fresh_client(fresh_server: RunningServer) -> Iterator[GradientClient]:
     with GradientClient(f"127.0.0.1:{fresh_server.port}", timeout=60) as c:
         yield c
+
+
+@pytest.fixture()
+def servers() -> Iterator[list[RunningServer]]:
+    """Servers a test starts (`tests.pauses.gated_server`, say), stopped after it."""
+    running: list[RunningServer] = []
+    yield running
+    for server in running:
+        server.stop(0)

@@ -7,7 +7,6 @@ sent again, whatever the machine's load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,15 +23,6 @@ from pergrad.server.recent_steps import MAX_STEP_ID_CHARS
 from tests.pauses import gated_server
 
 MODEL = "gated"
-
-
-@pytest.fixture()
-def servers() -> Iterator[list[RunningServer]]:
-    """Servers the test starts, stopped after it."""
-    running: list[RunningServer] = []
-    yield running
-    for server in running:
-        server.stop(0)
 
 
 def _step_when_its_server_goes(servers: list[RunningServer], *, pinned: bool) -> StepResult:
