@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,9 @@ class Call:
     variables: tuple[str, ...] | None = None
     model_version: int = 0
     upcast: bool = False
-    timeout: float | None = None
+    # When the call must have ended (`time.monotonic()`), its timeout from its start: its
+    # parts, and their retries, share it. None: never.
+    deadline: float | None = None
     # The identity of the pinned version's weights, when the client has seen it.
     weights_id: str = ""
 
@@ -63,7 +66,12 @@ class Call:
         except OptionError as err:
             raise invalid(str(err)) from None
         names = tuple(variables) if variables is not None else None
-        return cls(model, entry, checked, names, model_version, upcast, timeout, weights_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return cls(model, entry, checked, names, model_version, upcast, deadline, weights_id)
+
+    def time_left(self) -> float | None:
+        """The seconds left before the call's deadline (None: it has none)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def part(self, index: int) -> Call:
         """The call for micro-batch `index` of a batch: options applied once per batch

@@ -284,17 +284,21 @@ class GradientClient:
         A step is sent again while its server is unavailable (`retries`), with the id
         it was first sent with: a server that applied it answers as it did then.
         """
-        call = self._call(model, reduction=reduction, model_version=model_version, **options)
+        timeout = timeout or self._timeout
+        call = self._call(
+            model, reduction=reduction, model_version=model_version, timeout=timeout, **options
+        )
         batch = step_call(call)  # refused here, before any replica computes
         step = step_request(call, learning_rate, expected_batch_size)
-        info, y, timeout = self._info(model), np.asarray(y), timeout or self._timeout
+        info, y = self._info(model), np.asarray(y)
         in_one_request = batch.examples_per_request(info, x, y) >= rows_of(y)
         if len(self._replicas.addresses) == 1 and in_one_request:
-            done = on_one(self._methods.step, info, batch, x, y, step, timeout, self._retries)
+            done = on_one(self._methods.step, info, batch, x, y, step, self._retries)
         else:
             options.update(reduction=reduction, model_version=model_version)
-            result = self.per_example_gradients(model, x, y, timeout=timeout, **options)
+            left = call.time_left()  # the gradients, then the step on every replica
+            result = self.per_example_gradients(model, x, y, timeout=left, **options)
             step.model_version = 0
-            done = on_all(self._writer, info, result, call, step, timeout, self._retries)
+            done = on_all(self._writer, info, result, call, step, self._retries)
         self._known.seen(model, done.model_version, done.weights_id)
         return done

@@ -34,12 +34,18 @@ def retried(send: Callable[[float | None], T], retries: int, timeout: float | No
         return None if deadline is None else deadline - time.monotonic()
 
     for attempt in range(retries):
-        wait = backoff_s(attempt)
         try:
             return send(left())
         except grpc.RpcError as err:
-            time_left = left()
-            if err.code() not in RETRYABLE or (time_left is not None and time_left <= wait):
+            if err.code() not in RETRYABLE or not _waited(backoff_s(attempt), deadline):
                 raise
-        time.sleep(wait)
     return send(left())
+
+
+def _waited(wait_s: float, deadline: float | None) -> bool:
+    """Sleep `wait_s` and say whether time is left after it; False at once, without
+    sleeping, where it would end past `deadline`."""
+    if deadline is not None and time.monotonic() + wait_s >= deadline:
+        return False
+    time.sleep(wait_s)
+    return deadline is None or time.monotonic() < deadline

@@ -82,14 +82,13 @@ def on_one(
     x: Any,
     y: Any,
     step: pb.StepRequest,
-    timeout: float | None,
     retries: int,
 ) -> StepResult:
     """The whole step in one ApplyStep: the batch goes, the weights stay on the server.
-    `call` is the batch's part (`step_call`). Sent again while the server is unavailable:
-    its step_id keeps a server from applying it twice."""
+    `call` is the batch's part (`step_call`), with the step's deadline. Sent again while
+    the server is unavailable: its step_id keeps a server from applying it twice."""
     sent = call.request(info, x, y).within(step, "batch")  # its arrays sent from where they are
-    reply = retried(lambda left: stub_call(sent, timeout=left), retries, timeout)
+    reply = retried(lambda left: stub_call(sent, timeout=left), retries, call.time_left())
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
         norms = decode_tensor(reply.norms, what="norms") if reply.HasField("norms") else None
@@ -111,12 +110,11 @@ def on_all(
     result: GradientResult,
     call: Call,
     step: pb.StepRequest,
-    timeout: float | None,
     retries: int,
 ) -> StepResult:
     """Every replica applies the same sum (of `result`, computed on any of them at its
     weights) with one new version, pinned to the weights the sum was computed with (and
-    sent again to a replica while it is unavailable)."""
+    sent again to a replica while it is unavailable), within `call`'s deadline."""
     total = getattr(result, STEP_SUMS[call.reduction.name])
     arrays: dict[Key, np.ndarray] = {}
     for name, array in total.items():
@@ -124,11 +122,11 @@ def on_all(
         step.gradient_sum[name].CopyFrom(announced_tensor(summed))
     step.weights_id = result.weights_id
     step.expected_batch_size = step.expected_batch_size or result.batch_size
-    step.new_version = writer.next_version(info.name, timeout)
+    step.new_version = writer.next_version(info.name, call.time_left())
     sent = Whole(step, arrays)  # each replica's messages made from the arrays
 
     def apply(methods: Methods) -> pb.StepResponse:
-        return retried(lambda left: methods.step(sent, timeout=left), retries, timeout)
+        return retried(lambda left: methods.step(sent, timeout=left), retries, call.time_left())
 
     replies = writer.on_all(apply)
     first = replies[0]

@@ -34,7 +34,7 @@ def pipelined(
     input) ends the request stream and its error is raised after the earlier results.
     """
     pipeline = _Pipeline(info, call, max_in_flight)
-    responses = stream_call(pipeline.requests(batches), timeout=call.timeout)
+    responses = stream_call(pipeline.requests(batches), timeout=call.time_left())
     try:
         yield from pipeline.results(responses)
     except grpc.RpcError as err:

@@ -1,5 +1,6 @@
 """One call's parameters and its reduction's options share the keywords of
-`per_example_gradients` and `stream`: no option can take a call parameter's name."""
+`per_example_gradients` and `stream`: no option can take a call parameter's name; a
+call's timeout is one deadline its parts share."""
 
 from __future__ import annotations
 
@@ -42,3 +43,16 @@ def test_a_reduction_with_an_option_named_like_a_call_parameter_is_refused() -> 
     with pytest.raises(ValueError, match="would be call parameters"), CATALOGUE.extended(clash):
         pass
     assert "clash" not in CATALOGUE.names
+
+
+def test_a_calls_parts_share_its_one_deadline() -> None:
+    """A batch's micro-batches (and their retries) have what is left of the call's
+    timeout, not a timeout each."""
+    call = Call.of("m", reduction="clipped_sum", max_norm=1.0, noise_multiplier=1.0, timeout=30)
+    left = call.time_left()
+    assert left is not None and 0 < left <= 30
+    assert {call.part(i).deadline for i in range(3)} == {call.deadline}
+
+
+def test_a_call_without_a_timeout_has_no_deadline() -> None:
+    assert Call.of("m").time_left() is None

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pergrad.client import GradientClient, PergradError
+from pergrad.client import GradientClient, PergradError, _retry
 from pergrad.client._retry import MAX_BACKOFF_S, backoff_s, retried
 from tests.pauses import gated_server
 
@@ -39,34 +39,66 @@ class _Sends:
         return "answered"
 
 
-def test_each_retry_is_given_what_is_left_of_one_deadline() -> None:
+class _Clock:
+    """`_retry`'s time: a sleep takes `overshoot` times what it asks, at no cost."""
+
+    def __init__(self, overshoot: float = 1.0) -> None:
+        self.now, self.overshoot = 1000.0, overshoot
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds * self.overshoot
+
+
+def _clocked(monkeypatch: pytest.MonkeyPatch, overshoot: float = 1.0) -> _Clock:
+    clock = _Clock(overshoot)
+    monkeypatch.setattr(_retry, "time", clock)
+    return clock
+
+
+def test_each_retry_is_given_what_is_left_of_one_deadline(monkeypatch) -> None:
+    _clocked(monkeypatch)
     sends = _Sends(failures=2)
     assert retried(sends, retries=5, timeout=30.0) == "answered"
-    first, second, third = sends.given
-    assert first is not None and second is not None and third is not None
-    assert 30.0 >= first > second > third
-    assert first - third >= backoff_s(0) + backoff_s(1)  # the backoffs are on its account
+    after_one, after_two = 30.0 - backoff_s(0), 30.0 - backoff_s(0) - backoff_s(1)
+    assert sends.given == pytest.approx([30.0, after_one, after_two])
 
 
-def test_no_retry_is_made_whose_backoff_would_end_past_the_deadline() -> None:
-    """After the first attempt and its backoff less than the timeout is left of the
-    second backoff: the second failure is raised, whatever retries remain."""
+def test_no_retry_is_made_whose_backoff_would_end_past_the_deadline(monkeypatch) -> None:
+    """The second backoff would end past the deadline: the second failure is raised,
+    whatever retries remain."""
+    _clocked(monkeypatch)
     timeout = backoff_s(0) + backoff_s(1) / 2
     sends = _Sends(failures=10)
     with pytest.raises(grpc.RpcError) as failed:
         retried(sends, retries=10, timeout=timeout)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert len(sends.given) <= 2
+    assert sends.given == pytest.approx([timeout, timeout - backoff_s(0)])
 
 
-def test_without_a_timeout_every_retry_is_made() -> None:
+def test_no_retry_is_made_once_a_backoff_overran_the_deadline(monkeypatch) -> None:
+    """A sleep longer than asked (a busy machine) leaves no time: the failure is raised,
+    not an attempt with none left (gRPC's DEADLINE_EXCEEDED in place of UNAVAILABLE)."""
+    _clocked(monkeypatch, overshoot=10.0)
+    sends = _Sends(failures=10)
+    with pytest.raises(grpc.RpcError) as failed:
+        retried(sends, retries=10, timeout=3 * backoff_s(0))
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(sends.given) == 1
+
+
+def test_without_a_timeout_every_retry_is_made(monkeypatch) -> None:
+    _clocked(monkeypatch)
     sends = _Sends(failures=10)
     with pytest.raises(grpc.RpcError):
         retried(sends, retries=2, timeout=None)
     assert sends.given == [None, None, None]
 
 
-def test_a_status_other_than_unavailable_is_not_retried() -> None:
+def test_a_status_other_than_unavailable_is_not_retried(monkeypatch) -> None:
+    _clocked(monkeypatch)
     sends = _Sends(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
     with pytest.raises(grpc.RpcError) as failed:
         retried(sends, retries=5, timeout=30.0)

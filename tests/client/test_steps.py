@@ -100,9 +100,9 @@ def test_a_step_whose_reply_was_lost_is_applied_once(servers) -> None:
                 raise _ReplyLost()
             return reply
 
-        call = Call.of(MODEL, reduction="clipped_sum", max_norm=1.0)
+        call = Call.of(MODEL, reduction="clipped_sum", max_norm=1.0, timeout=60)
         batch, step = step_call(call), step_request(call, 0.1, 0)
-        done = on_one(reply_lost_once, info, batch, x, y, step, 60, retries=2)
+        done = on_one(reply_lost_once, info, batch, x, y, step, retries=2)
         after = client.model_info(MODEL)
     assert (done.model_version, done.weights_id) == (2, first[0].weights_id)
     assert (after.model_version, after.weights_id) == (2, done.weights_id)
