@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pergrad.client._retry import time_left
 from pergrad.client._types import ModelInfo, PergradError, invalid
 from pergrad.wire.casting import CastError, arrays_by_input, cast
 from pergrad.wire.catalogue import CATALOGUE, OptionError, Reduction
@@ -71,7 +72,7 @@ class Call:
 
     def time_left(self) -> float | None:
         """The seconds left before the call's deadline (None: it has none)."""
-        return None if self.deadline is None else self.deadline - time.monotonic()
+        return time_left(self.deadline)
 
     def part(self, index: int) -> Call:
         """The call for micro-batch `index` of a batch: options applied once per batch

@@ -42,8 +42,7 @@ class GradientClient:
         micro_batch: split a batch into micro-batches of this many examples, computed
             concurrently (on several replicas) and reassembled in order. A batch is
             split anyway where one request could not hold it (the server's limits).
-        retries: times a call that found its replica gone is sent again, within its
-            timeout.
+        retries: times a call that found its replica gone is sent again.
         max_model_bytes: the most bytes a model's variables may declare (16 GiB): a
             server declaring more, or answering anything malformed, is not believed
             (PergradError with DATA_LOSS).
@@ -284,10 +283,8 @@ class GradientClient:
         A step is sent again while its server is unavailable (`retries`), with the id
         it was first sent with: a server that applied it answers as it did then.
         """
-        timeout = timeout or self._timeout
-        call = self._call(
-            model, reduction=reduction, model_version=model_version, timeout=timeout, **options
-        )
+        options.update(reduction=reduction, model_version=model_version)
+        call = self._call(model, timeout=timeout or self._timeout, **options)
         batch = step_call(call)  # refused here, before any replica computes
         step = step_request(call, learning_rate, expected_batch_size)
         info, y = self._info(model), np.asarray(y)
@@ -295,7 +292,6 @@ class GradientClient:
         if len(self._replicas.addresses) == 1 and in_one_request:
             done = on_one(self._methods.step, info, batch, x, y, step, self._retries)
         else:
-            options.update(reduction=reduction, model_version=model_version)
             left = call.time_left()  # the gradients, then the step on every replica
             result = self.per_example_gradients(model, x, y, timeout=left, **options)
             step.model_version = 0

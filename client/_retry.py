@@ -23,23 +23,23 @@ def backoff_s(attempt: int) -> float:
     return min(FIRST_BACKOFF_S * BACKOFF_GROWTH**attempt, MAX_BACKOFF_S)
 
 
-def retried(send: Callable[[float | None], T], retries: int, timeout: float | None) -> T:
+def time_left(deadline: float | None) -> float | None:
+    """The seconds left before `deadline` (a `time.monotonic()`; None: there is none)."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def retried(send: Callable[[float | None], T], retries: int, deadline: float | None) -> T:
     """send(the seconds left), sent again up to `retries` times while it fails with a
-    RETRYABLE status. `timeout` bounds the attempts and their backoffs together: a retry
-    whose backoff would end past it is not made. Any other error, or the last one, is
-    raised as it is."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-
-    def left() -> float | None:
-        return None if deadline is None else deadline - time.monotonic()
-
+    RETRYABLE status. The attempts and their backoffs share `deadline`: a retry whose
+    backoff would end past it is not made. Any other error, or the last one, is raised
+    as it is."""
     for attempt in range(retries):
         try:
-            return send(left())
+            return send(time_left(deadline))
         except grpc.RpcError as err:
             if err.code() not in RETRYABLE or not _waited(backoff_s(attempt), deadline):
                 raise
-    return send(left())
+    return send(time_left(deadline))
 
 
 def _waited(wait_s: float, deadline: float | None) -> bool:

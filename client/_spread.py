@@ -45,7 +45,7 @@ def computed(
         return [r for _, r in read_results(responses, lambda _: expected, out=out)]
 
     try:
-        results = retried(send, retries, call.time_left())
+        results = retried(send, retries, call.deadline)
     except grpc.RpcError as err:
         raise from_rpc_error(err) from None
     if len(results) != 1:

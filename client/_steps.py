@@ -88,7 +88,7 @@ def on_one(
     `call` is the batch's part (`step_call`), with the step's deadline. Sent again while
     the server is unavailable: its step_id keeps a server from applying it twice."""
     sent = call.request(info, x, y).within(step, "batch")  # its arrays sent from where they are
-    reply = retried(lambda left: stub_call(sent, timeout=left), retries, call.time_left())
+    reply = retried(lambda left: stub_call(sent, timeout=left), retries, call.deadline)
     with answer_checked(f"step of {info.name!r}: "):
         losses = decode_tensor(reply.losses, what="losses")
         norms = decode_tensor(reply.norms, what="norms") if reply.HasField("norms") else None
@@ -126,7 +126,7 @@ def on_all(
     sent = Whole(step, arrays)  # each replica's messages made from the arrays
 
     def apply(methods: Methods) -> pb.StepResponse:
-        return retried(lambda left: methods.step(sent, timeout=left), retries, call.time_left())
+        return retried(lambda left: methods.step(sent, timeout=left), retries, call.deadline)
 
     replies = writer.on_all(apply)
     first = replies[0]

@@ -59,9 +59,9 @@ def _clocked(monkeypatch: pytest.MonkeyPatch, overshoot: float = 1.0) -> _Clock:
 
 
 def test_each_retry_is_given_what_is_left_of_one_deadline(monkeypatch) -> None:
-    _clocked(monkeypatch)
+    clock = _clocked(monkeypatch)
     sends = _Sends(failures=2)
-    assert retried(sends, retries=5, timeout=30.0) == "answered"
+    assert retried(sends, retries=5, deadline=clock.now + 30.0) == "answered"
     after_one, after_two = 30.0 - backoff_s(0), 30.0 - backoff_s(0) - backoff_s(1)
     assert sends.given == pytest.approx([30.0, after_one, after_two])
 
@@ -69,11 +69,11 @@ def test_each_retry_is_given_what_is_left_of_one_deadline(monkeypatch) -> None:
 def test_no_retry_is_made_whose_backoff_would_end_past_the_deadline(monkeypatch) -> None:
     """The second backoff would end past the deadline: the second failure is raised,
     whatever retries remain."""
-    _clocked(monkeypatch)
+    clock = _clocked(monkeypatch)
     timeout = backoff_s(0) + backoff_s(1) / 2
     sends = _Sends(failures=10)
     with pytest.raises(grpc.RpcError) as failed:
-        retried(sends, retries=10, timeout=timeout)
+        retried(sends, retries=10, deadline=clock.now + timeout)
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sends.given == pytest.approx([timeout, timeout - backoff_s(0)])
 
@@ -81,10 +81,10 @@ def test_no_retry_is_made_whose_backoff_would_end_past_the_deadline(monkeypatch)
 def test_no_retry_is_made_once_a_backoff_overran_the_deadline(monkeypatch) -> None:
     """A sleep longer than asked (a busy machine) leaves no time: the failure is raised,
     not an attempt with none left (gRPC's DEADLINE_EXCEEDED in place of UNAVAILABLE)."""
-    _clocked(monkeypatch, overshoot=10.0)
+    clock = _clocked(monkeypatch, overshoot=10.0)
     sends = _Sends(failures=10)
     with pytest.raises(grpc.RpcError) as failed:
-        retried(sends, retries=10, timeout=3 * backoff_s(0))
+        retried(sends, retries=10, deadline=clock.now + 3 * backoff_s(0))
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert len(sends.given) == 1
 
@@ -93,15 +93,15 @@ def test_without_a_timeout_every_retry_is_made(monkeypatch) -> None:
     _clocked(monkeypatch)
     sends = _Sends(failures=10)
     with pytest.raises(grpc.RpcError):
-        retried(sends, retries=2, timeout=None)
+        retried(sends, retries=2, deadline=None)
     assert sends.given == [None, None, None]
 
 
 def test_a_status_other_than_unavailable_is_not_retried(monkeypatch) -> None:
-    _clocked(monkeypatch)
+    clock = _clocked(monkeypatch)
     sends = _Sends(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
     with pytest.raises(grpc.RpcError) as failed:
-        retried(sends, retries=5, timeout=30.0)
+        retried(sends, retries=5, deadline=clock.now + 30.0)
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(sends.given) == 1
 
