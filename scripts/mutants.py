@@ -176,8 +176,13 @@ MUTANTS = (
         (
             Edit(
                 "server/admission/inflight.py",
-                "        try:\n            yield\n        finally:\n",
-                "        yield\n        if True:\n",
+                "        with ExitStack() as held:\n",
+                "        held = ExitStack()\n        if True:\n",
+            ),
+            Edit(
+                "server/admission/inflight.py",
+                "            yield\n",
+                "            yield\n            held.close()\n",
             ),
         ),
         ("tests/server/test_faults.py",),
@@ -204,7 +209,7 @@ MUTANTS = (
         (
             Edit(
                 "server/transport/guard.py",
-                "        return timed.responses(result, on_error)\n",
+                "        return timed.responses(result, functools.partial(self._count, call))\n",
                 "        return result\n",
             ),
         ),

@@ -24,7 +24,6 @@ from pergrad.server.sharing import Coalescers
 from pergrad.server.status import Refusal
 from pergrad.server.training import make_optimizer
 from pergrad.server.transport.auth import TokenAuthInterceptor, load_tokens
-from pergrad.server.transport.chunked import RequestBounds
 from pergrad.server.transport.guard import CallGuard
 from pergrad.server.transport.health import SERVICE_NAME as HEALTH_SERVICE
 from pergrad.server.transport.health import SERVING, HealthService
@@ -171,22 +170,7 @@ def _call_guard(
 ) -> CallGuard:
     """The guard admitting every call against the limits (per token where the server has
     tokens)."""
-    return CallGuard(
-        stall_timeout_s=limits["stall_s"],
-        workers=limits.count("workers"),
-        max_calls=limits.count("calls"),
-        max_streams=limits.count("streams"),
-        max_open_calls=limits.count("open_calls"),
-        max_open_streams=limits.count("open_streams"),
-        max_watch_streams=limits.count("watch_streams"),
-        tokens=config.auth_token_file is not None,
-        request_bounds=RequestBounds(
-            limits.count("request_bytes"), limits.count("batch"), limits["stall_s"]
-        ),
-        admission=admission,
-        on_stall=metrics.call_stalled,
-        on_refused_unread=metrics.call_refused_unread,
-    )
+    return CallGuard(limits, admission, metrics, tokens=config.auth_token_file is not None)
 
 
 def _start_grpc(

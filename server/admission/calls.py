@@ -33,10 +33,6 @@ class Call:
         return parse_recorded
 
 
-# A call no guard admitted (a servicer driven in-process by a test): no caller known.
-_UNKNOWN = ""
-
-
 class Context:
     """gRPC's context of a call, carrying the call's record (`record`): everything else
     is gRPC's own."""
@@ -51,5 +47,6 @@ class Context:
 
 
 def of(context: grpc.ServicerContext | Context) -> Call:
-    """The call's record (a blank one for a call no guard started)."""
-    return context.record if isinstance(context, Context) else Call(_UNKNOWN)
+    """The call's record (a blank one, no caller known, for a call no guard started: a
+    servicer driven in-process by a test)."""
+    return context.record if isinstance(context, Context) else Call("")

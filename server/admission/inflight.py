@@ -1,19 +1,14 @@
-"""Admission control: a bound on the examples and bytes calls hold at once, one `Budget`
-each.
-
-A call holds its request's bytes from the moment it arrives (queued or computing) to its
-end, and its result's bytes and its examples while it computes. A caller (a token, or a
-connection without tokens) holding bytes already may hold at most half of the bytes in
-all: one call may take the whole budget, many calls of one caller cannot. A call over a
-bound is refused at once with RESOURCE_EXHAUSTED instead of queueing without limit or
-running the process out of memory; its client can retry later or elsewhere. A call that
-alone exceeds a bound could never run, and says so.
+"""Admission control: the bounds on the examples and bytes calls hold at once, one
+`Budget` each (when each is held, and a caller's share, are their rows in `limits`). A
+call over a bound is refused at once with RESOURCE_EXHAUSTED instead of queueing without
+limit or running the process out of memory; its client can retry later or elsewhere. A
+call that alone exceeds a bound could never run, and says so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from pergrad.server.admission.budgets import Budget, Unit
 from pergrad.server.admission.limits import share
@@ -35,17 +30,10 @@ class Admission:
         large for either bound is told so before a busy one is."""
         self.examples.check_alone(examples)
         self.bytes.check_alone(nbytes, own=request_bytes)
-        give_bytes = self.bytes.take(nbytes, caller, own=request_bytes)
-        try:
-            give_examples = self.examples.take(examples)
-        except BaseException:
-            give_bytes()
-            raise
-        try:
+        with ExitStack() as held:
+            held.callback(self.bytes.take(nbytes, caller, own=request_bytes))
+            held.callback(self.examples.take(examples))
             yield
-        finally:
-            give_examples()
-            give_bytes()
 
     def hold(self, nbytes: int, caller: str = "") -> Callable[[], None]:
         """Hold a request's `nbytes` until the returned function is called, or refuse."""

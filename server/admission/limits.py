@@ -11,7 +11,7 @@ this one). A new bound is a row here, the code that enforces it, and its test.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING
 
 from pergrad.wire.chunked_requests import MESSAGE_BYTES
@@ -266,20 +266,10 @@ def resolve(config: Config) -> Capacities:
 _COLUMNS = ("bound", "what it bounds", "set by", "a caller's share", "held", "when full", "status")
 
 
-def _cells(limit: Limit) -> tuple[str, ...]:
-    return (
-        f"`{limit.name}`",
-        limit.bounds,
-        limit.set_by,
-        limit.caller_share,
-        limit.held,
-        limit.when_full,
-        limit.status,
-    )
-
-
 def markdown() -> str:
     """The table as docs/operations.md shows it."""
     lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + " --- |" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(_cells(limit)) + " |" for limit in LIMITS]
+    for limit in LIMITS:
+        cells = (f"`{limit.name}`", limit.bounds, *astuple(limit)[3:])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -120,9 +120,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if declared is not None:
             # Refused before its handler is looked up: nothing behind this interceptor (the
             # guard, which admits streams as they arrive) sees the call.
-            return _refusing(declared[1], *refused)
+            return refusal(declared[1], *refused)
         handler = continuation(handler_call_details)  # a method with no descriptor, or none
-        return None if handler is None else _refusing(handler.response_streaming, *refused)
+        return None if handler is None else refusal(handler.response_streaming, *refused)
 
     def _refusal(self, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """The status a call gets instead of an answer, or None to let it through."""
@@ -136,18 +136,3 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             name = split_method(method)[1]
             return grpc.StatusCode.PERMISSION_DENIED, f"a read-only token cannot call {name}"
         return None
-
-
-def _refusing(
-    response_streaming: bool, code: grpc.StatusCode, message: str
-) -> grpc.RpcMethodHandler:
-    """A handler that ends the call with `code` at once.
-
-    The request is never read (nor parsed), so a refused call costs no decoding and holds
-    no worker waiting for a request its client may never send.
-    """
-
-    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-
-    return refusal(response_streaming, refuse)

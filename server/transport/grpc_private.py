@@ -29,11 +29,9 @@ _NON_BLOCKING = "experimental_non_blocking"
 _THREAD_POOL = "experimental_thread_pool"
 
 
-def non_blocking(behavior: Callable[..., Any], pool: Executor | None = None) -> None:
-    """Mark `behavior` to be called with a `send` callback, on `pool` if given."""
+def non_blocking(behavior: Callable[..., Any]) -> None:
+    """Mark `behavior` to be called with a `send` callback."""
     behavior.__dict__[_NON_BLOCKING] = True
-    if pool is not None:
-        run_on(behavior, pool)
 
 
 def is_non_blocking(behavior: Callable[..., Any]) -> bool:

@@ -1,34 +1,18 @@
 """Keeping idle and slow callers from holding the server's capacity.
 
-A sync gRPC server runs each call in a thread; a call that waits on its client (a
-request that never comes, a stream that sends no next request, a client that reads no
-response) holds its thread for as long as the client likes. So every call admitted gets
-a thread of its own at once, and computing takes one of the `workers` places besides,
-only once its request has arrived (a stream, as it starts): callers that send nothing hold
-threads and places, never the workers. A caller (its token, or its connection without
-tokens) computes one-request calls on half of the workers at most, so that its many
-calls leave workers to the others. This interceptor:
-- reads every call's requests and hands on its responses under the stall timer
-  (`stalls`): a call that waits on its client for `stall_timeout_s` is cancelled; every
-  method that takes one request is served as request-streaming (the same on the wire,
-  `handlers.as_request_stream`) so that waiting for that request is timed too; a call to
-  the service holds its request's bytes (`Admission.hold`) from then until it ends;
-- admits every call as it arrives against the places of its kind, the rows of
-  `admission.limits` (calls and streams to the service, a token's share of each, calls
-  and streams to health and reflection, health Watches), each given back when its call
-  ends; beyond one, RESOURCE_EXHAUSTED at once, on the refusals' threads (gRPC's own
-  limit lies above their sum, so it never refuses a call the guard admitted);
-- runs every call to an open service on a pool of its own (health Watches on theirs):
-  a caller without a token cannot reach the workers nor make a health check wait. An
-  open call arriving when every place of its kind is taken evicts the one that has
-  waited on its client longest (for EVICTABLE_AFTER_S at least), and a connection's
-  calls to health and reflection hold half of their places at most, so silent calls
-  cannot lock out those that speak; their requests are parsed as `open_services` says;
-- lets non-blocking handlers (health Watch) return as soon as their request is read;
-- refuses a caller's calls to the service unread while the requests it had refused for
-  what they held (marked on the call's record, `admission.calls`) came to more than its
-  budget of bytes in the last seconds (`budgets.Budget`, windowed): each was received and
-  copied before it could be refused, with the GIL every call waits for.
+A sync gRPC server runs each call on a thread, which a call waiting on its client holds
+for as long as the client likes. So this interceptor gives every call it admits a thread
+at once, against the places of its kind (the rows of `admission.limits`; beyond them,
+RESOURCE_EXHAUSTED at once, on the refusals' threads), and a worker's place only once
+its request has arrived (a stream, as it starts): callers that send nothing hold threads
+and places, never the workers, and one caller computes one-request calls on half of them
+at most. Every call's requests and responses pass under the stall timer (`stalls`), a
+one-request method served as request-streaming so that waiting for its request is timed
+too; a call to the service holds its request's bytes (`Admission.hold`) from its first
+message to its end. Calls to the open services (no token) run on pools of their own and
+may evict one that waits on its client (`_open_share`, `pools`). A caller whose requests
+refused for their content came to more than its budget of bytes lately (`budgets`) has
+its calls refused unread: each was received and copied before it could be refused.
 """
 
 from __future__ import annotations
@@ -36,8 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import Message
@@ -45,20 +28,16 @@ from google.protobuf.message import Message
 from pergrad.server.admission import calls
 from pergrad.server.admission.budgets import refused_bytes
 from pergrad.server.admission.inflight import Admission
-from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S, share
+from pergrad.server.admission.limits import REFUSED_BYTES, REFUSED_WINDOW_S, Capacities, share
 from pergrad.server.admission.pools import Place, Pool, take_each
 from pergrad.server.errors import PergradServerError
+from pergrad.server.metrics import ServerMetrics
 from pergrad.server.status import RefusedRequest
 from pergrad.server.transport.auth import token_key
 from pergrad.server.transport.chunked import RequestBounds, whole_request
 from pergrad.server.transport.grpc_private import is_non_blocking, non_blocking, run_on
-from pergrad.server.transport.handlers import (
-    as_request_stream,
-    behavior_of,
-    refusal,
-    replaced,
-)
-from pergrad.server.transport.open_services import open_parser, refusing
+from pergrad.server.transport.handlers import behavior_of, refusal, replaced
+from pergrad.server.transport.open_services import full, open_parser
 from pergrad.server.transport.stalls import StallTimer, TimedCall
 from pergrad.wire.chunked_requests import comes_in_parts
 from pergrad.wire.rpc import OPEN_SERVICES, split_method
@@ -66,40 +45,27 @@ from pergrad.wire.rpc import OPEN_SERVICES, split_method
 
 class CallGuard(grpc.ServerInterceptor):
     def __init__(
-        self,
-        *,
-        stall_timeout_s: float,
-        workers: int,
-        max_calls: int,
-        max_streams: int,
-        max_open_calls: int,
-        max_open_streams: int,
-        max_watch_streams: int,
-        request_bounds: RequestBounds,
-        tokens: bool = False,
-        admission: Admission | None = None,
-        on_stall: Callable[[str], None] = lambda method: None,
-        on_refused_unread: Callable[[str], None] = lambda method: None,
+        self, limits: Capacities, admission: Admission, metrics: ServerMetrics, *, tokens: bool
     ) -> None:
-        self._timer = StallTimer(stall_timeout_s, on_stall)
-        self._on_refused_unread = on_refused_unread
+        stall_s = limits["stall_s"]
+        self._timer = StallTimer(stall_s, metrics.call_stalled)
+        self._on_refused_unread = metrics.call_refused_unread
         self._admission = admission
-        self._bounds = request_bounds
+        self._bounds = RequestBounds(limits.count("request_bytes"), limits.count("batch"), stall_s)
         self._refused = refused_bytes()
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
         self._tokens = tokens
-        self._calls = Pool(max_calls, per_caller=share(max_calls) if tokens else None)
-        self._workers = Pool(workers, per_caller=share(workers))
-        self._streams = Pool(max_streams, per_caller=share(max_streams) if tokens else None)
-        self._open = Pool(max_open_calls, per_caller=share(max_open_calls), evict=True)
-        self._open_streams = Pool(max_open_streams)
-        self._watches = Pool(max_watch_streams, evict=True)
-        self._open_pool = ThreadPoolExecutor(
-            max_workers=max_open_calls, thread_name_prefix="pergrad-open"
-        )
+        calls, streams, opened = (limits.count(n) for n in ("calls", "streams", "open_calls"))
+        self._calls = Pool(calls, per_caller=share(calls) if tokens else None)
+        self._workers = Pool(limits.count("workers"), per_caller=share(limits.count("workers")))
+        self._streams = Pool(streams, per_caller=share(streams) if tokens else None)
+        self._open = Pool(opened, per_caller=share(opened), evict=True)
+        self._open_streams = Pool(limits.count("open_streams"))
+        self._watches = Pool(limits.count("watch_streams"), evict=True)
+        self._open_pool = ThreadPoolExecutor(max_workers=opened, thread_name_prefix="pergrad-open")
         self._watch_pool = ThreadPoolExecutor(
-            max_workers=max_watch_streams, thread_name_prefix="pergrad-watch"
+            max_workers=limits.count("watch_streams"), thread_name_prefix="pergrad-watch"
         )
 
     def close(self) -> None:
@@ -121,8 +87,8 @@ class CallGuard(grpc.ServerInterceptor):
         open_service = split_method(method)[0] in OPEN_SERVICES
         behavior = behavior_of(handler)
         watch = is_non_blocking(behavior)
-        if watch and handler.request_streaming:
-            return handler  # none is served; it could not be read under the stall timer
+        if watch and handler.request_streaming:  # none is served: unguarded, it would pass
+            raise TypeError(f"{method}: a non-blocking request stream cannot be timed")
         # The caller, where a token names it (the token check ran first); else its
         # connection, known once the handler runs.
         token = None
@@ -134,17 +100,17 @@ class CallGuard(grpc.ServerInterceptor):
             wanted.append((self._open_streams if open_service else self._streams, token))
         places = take_each(wanted)
         if places is None:
-            return refusal(handler.response_streaming, refusing(open_service))
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            return refusal(handler.response_streaming, code, full(open_service))
         call = None if open_service else calls.Call(token or "")
-        arrival = _Arrival(handler, method, places, call)
+        waiting = places[0] if open_service else None
+        arrival = _Arrival(handler, behavior, method, places, call, waiting)
         guarded = self._watch_handler(arrival) if watch else self._guarded(arrival)
         if open_service:
             run_on(guarded, self._watch_pool if watch else self._open_pool)
         deserializer = handler.request_deserializer
         parse = open_parser(deserializer) if call is None else call.reading(deserializer)
-        if handler.request_streaming:
-            return replaced(handler, guarded, request_deserializer=parse)
-        return as_request_stream(handler, guarded, parse)
+        return replaced(handler, guarded, request_streaming=True, request_deserializer=parse)
 
     def _guarded(self, arrival: _Arrival) -> Callable[..., Any]:
         """The call's behaviour, holding its places until it ends, and a call to an open
@@ -203,8 +169,7 @@ class CallGuard(grpc.ServerInterceptor):
             result = arrival.behavior(request, served)
         if not handler.response_streaming:
             return result
-        on_error = functools.partial(self._count, call) if call is not None else _nothing
-        return timed.responses(result, on_error)
+        return timed.responses(result, functools.partial(self._count, call))
 
     def _within_refused_budget(
         self, caller: str, method: str, context: grpc.ServicerContext
@@ -222,10 +187,10 @@ class CallGuard(grpc.ServerInterceptor):
                 f"{wait_s:.1f} s more; fix what those refusals named",
             )
 
-    def _count(self, call: calls.Call) -> None:
+    def _count(self, call: calls.Call | None) -> None:
         """A call refused for its content: its request's bytes, against its caller's
         budget."""
-        if call.request_bytes and call.refused_for_content:
+        if call is not None and call.request_bytes and call.refused_for_content:
             self._refused.charge(call.caller, call.request_bytes)
 
     def _open_share(self, place: Place, context: grpc.ServicerContext) -> None:
@@ -265,33 +230,20 @@ class CallGuard(grpc.ServerInterceptor):
         """Price the request's bytes from its arrival to the call's end
         (`Admission.hold`: ResourceExhausted if they do not fit), kept on its record:
         calls queued for a worker hold their requests too."""
-        if self._admission is None:
-            return
         release = self._admission.hold(nbytes, call.caller)
         call.held_bytes = nbytes
         if not context.add_callback(release):
             release()
 
 
-@dataclass(frozen=True)
-class _Arrival:
-    """A call the guard admitted, as it arrived: its handler and method, the places it
-    holds, and its record (None for a call to an open service, which has none)."""
+class _Arrival(NamedTuple):
+    """A call the guard admitted, as it arrived: its handler, behaviour and method, the
+    places it holds, its record (None for a call to an open service, which has none),
+    and an open call's place, which it may lose while it waits on its client."""
 
     handler: grpc.RpcMethodHandler
+    behavior: Callable[..., Any]
     method: str
     places: list[Place]
     call: calls.Call | None
-
-    @property
-    def behavior(self) -> Callable[..., Any]:
-        return behavior_of(self.handler)
-
-    @property
-    def waiting(self) -> Place | None:
-        """An open call's place, which it may lose while it waits on its client."""
-        return self.places[0] if self.call is None else None
-
-
-def _nothing() -> None:
-    pass
+    waiting: Place | None

@@ -1,8 +1,8 @@
 """The four kinds of gRPC method handler, in one table: interceptors that wrap a handler,
 and the service that registers its own, make one of the same kind through it.
 
-A method taking one request may also be served as a request-streaming one
-(`as_request_stream`): the HTTP/2 wire is the same, so its clients cannot tell, and the
+A method taking one request may also be served as a request-streaming one (`replaced`
+with `request_streaming`): the HTTP/2 wire is the same, so its clients cannot tell, and the
 request is then read by the handler rather than by gRPC before any handler runs. The
 kind its clients call it by is its descriptor's (`declared_kind`), for metrics labels."""
 
@@ -56,25 +56,21 @@ def replaced(
     handler: grpc.RpcMethodHandler,
     behavior: Callable[..., Any],
     *,
+    request_streaming: bool | None = None,
     request_deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind running `behavior`, with its
-    serializers (its request deserializer replaced where one is given), on the same
-    thread pool."""
-    deserializer = request_deserializer or handler.request_deserializer
-    return _made(handler, kind_of(handler), behavior, deserializer)
-
-
-def as_request_stream(
-    handler: grpc.RpcMethodHandler,
-    behavior: Callable[..., Any],
-    request_deserializer: Callable[[bytes], Any] | None = None,
-) -> grpc.RpcMethodHandler:
-    """`handler`'s method served as request-streaming, with its response arity, serializers
-    (or `request_deserializer`) and thread pool: `behavior` takes the
-    iterator of requests in place of the one request."""
-    deserializer = request_deserializer or handler.request_deserializer
-    return _made(handler, kind(True, handler.response_streaming), behavior, deserializer)
+    """A handler running `behavior` with `handler`'s serializers (its request deserializer
+    replaced where one is given) on the same thread pool, of `handler`'s kind unless
+    `request_streaming` says otherwise (`behavior` then takes the iterator of requests)."""
+    pool = pool_of(behavior_of(handler))
+    if pool is not None and pool_of(behavior) is None:
+        run_on(behavior, pool)
+    streams = handler.request_streaming if request_streaming is None else request_streaming
+    return kind(streams, handler.response_streaming).factory(
+        behavior,
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
 
 
 # Refusals (a missing token, a limit reached) end their call at once with an abort: they
@@ -83,24 +79,12 @@ def as_request_stream(
 _REFUSALS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pergrad-refuse")
 
 
-def refusal(response_streaming: bool, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
-    """A handler whose `behavior` ends the call at once (aborts), reading no request:
-    served as request-streaming, so gRPC reads none first, on the refusals' threads."""
-    run_on(behavior, _REFUSALS)
-    return kind(True, response_streaming).factory(behavior)
+def refusal(response_streaming: bool, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with `code` at once, reading no request: served as
+    request-streaming, so gRPC reads none first, on the refusals' threads."""
 
+    def refuse(requests: Any, context: grpc.ServicerContext) -> None:
+        context.abort(code, message)
 
-def _made(
-    handler: grpc.RpcMethodHandler,
-    served_as: Kind,
-    behavior: Callable[..., Any],
-    request_deserializer: Callable[[bytes], Any] | None,
-) -> grpc.RpcMethodHandler:
-    pool = pool_of(behavior_of(handler))
-    if pool is not None and pool_of(behavior) is None:
-        run_on(behavior, pool)
-    return served_as.factory(
-        behavior,
-        request_deserializer=request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    run_on(refuse, _REFUSALS)
+    return kind(True, response_streaming).factory(refuse)

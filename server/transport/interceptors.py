@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -19,7 +20,6 @@ from pergrad.server.transport.grpc_private import (
     code_set,
     is_non_blocking,
     non_blocking,
-    pool_of,
 )
 from pergrad.server.transport.handlers import behavior_of, declared_kind, replaced
 from pergrad.wire.rpc import split_method
@@ -74,12 +74,8 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         service, method = split_method(handler_call_details.method)
         declared = declared_kind(handler_call_details.method, handler)
         labels = RpcLabels(declared.grpc_type, service or "unknown", method)
-        call = _Call(
-            self._metrics,
-            labels,
-            arrived,
-            at_end=declared.grpc_type in ("client_stream", "bidi_stream"),
-        )
+        at_end = declared.grpc_type in ("client_stream", "bidi_stream")
+        call = _Call(self._metrics, labels, arrived, at_end)
         behavior = behavior_of(handler)
         if is_non_blocking(behavior):
             behavior = call.wrap_non_blocking(behavior)
@@ -88,20 +84,18 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         return replaced(handler, behavior)
 
 
+@dataclass
 class _Call:
     """The metrics of one RPC: started when its handler runs, handled exactly once. A
     request stream's (`at_end`) is counted when the call has ended, not when its
     handler returns: only then is a cancelled stream told from a finished one."""
 
-    def __init__(
-        self, metrics: ServerMetrics, labels: RpcLabels, arrived: float, *, at_end: bool
-    ) -> None:
-        self._metrics = metrics
-        self._labels = labels
-        self._arrived = arrived
-        self._handled = False
-        self._at_end = at_end
-        self._error: BaseException | None = None
+    _metrics: ServerMetrics
+    _labels: RpcLabels
+    _arrived: float
+    _at_end: bool
+    _handled: bool = False
+    _error: BaseException | None = None
 
     def wrap(
         self, behavior: Callable[..., Any], request_streaming: bool, response_streaming: bool
@@ -134,7 +128,8 @@ class _Call:
         def handle(request: Any, context: grpc.ServicerContext, send: Callable[[Any], None]):
             self._metrics.rpc_started(self._labels, self._arrived)
             self._metrics.rpc_message_received(self._labels)
-            context.add_callback(lambda: self._finish(context, None))
+            if not context.add_callback(lambda: self._finish(context, None)):
+                self._finish(context, None)  # the call ended before its handler ran
 
             def counted(response: Any) -> None:
                 if response is None:
@@ -149,7 +144,7 @@ class _Call:
                 self._finish(context, err)
                 raise
 
-        non_blocking(handle, pool_of(behavior))
+        non_blocking(handle)  # its pool carried over by `replaced`
         return handle
 
     def _received(self, requests: Iterator[Any]) -> Iterator[Any]:
@@ -174,13 +169,13 @@ class _Call:
     def _finish(self, context: grpc.ServicerContext, error: BaseException | None) -> None:
         if self._at_end:
             self._error = self._error or error  # counted by `_ended`
-        elif not self._handled:
-            self._handled = True
-            code = final_code(context, error)
-            self._metrics.rpc_handled(self._labels, code, self._arrived)
+        else:
+            self._handle(final_code(context, error))
 
     def _ended(self, context: grpc.ServicerContext) -> None:
+        self._handle(final_code(context, self._error, ended=True))
+
+    def _handle(self, code: grpc.StatusCode) -> None:
         if not self._handled:
             self._handled = True
-            code = final_code(context, self._error, ended=True)
             self._metrics.rpc_handled(self._labels, code, self._arrived)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from pergrad.server.admission.limits import OPEN_REQUEST_BYTES
@@ -40,14 +39,7 @@ def open_parser(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
     return parse_checked
 
 
-def refusing(open_service: bool) -> Callable[..., Any]:
+def full(open_service: bool) -> str:
+    """What a call refused for want of a place is told."""
     what = "calls to health and reflection" if open_service else "such calls"
-
-    def refuse(requests: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"this server has as many {what} as it admits at once; "
-            "retry later or on another replica",
-        )
-
-    return refuse
+    return f"this server has as many {what} as it admits at once; retry later or on another replica"

@@ -19,17 +19,12 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 SERVICE_NAME = reflection.SERVICE_NAME
 
 
-def documented_files() -> dict[str, bytes]:
-    """File name -> serialized FileDescriptorProto with comments, of pergrad's protos."""
-    data = resources.files("pergrad.v1").joinpath("descriptors.binpb").read_bytes()
-    files = descriptor_pb2.FileDescriptorSet.FromString(data).file
-    return {f.name: f.SerializeToString() for f in files}
-
-
 class DocumentedReflection(reflection.ReflectionServicer):
     def __init__(self, service_names: list[str]) -> None:
         super().__init__(service_names)
-        self._documented = documented_files()
+        data = resources.files("pergrad.v1").joinpath("descriptors.binpb").read_bytes()
+        files = descriptor_pb2.FileDescriptorSet.FromString(data).file
+        self._documented = {f.name: f.SerializeToString() for f in files}
 
     def _file_by_filename(self, request, filename):
         try:

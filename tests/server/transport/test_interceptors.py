@@ -10,11 +10,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from typing import NamedTuple
 
 import grpc
 import pytest
 
 from pergrad.server.metrics import ServerMetrics
+from pergrad.server.transport.grpc_private import non_blocking
 from pergrad.server.transport.interceptors import MetricsInterceptor
 
 SERVICE = "test.Probe"
@@ -254,3 +256,46 @@ def test_handling_time_includes_waiting_for_a_free_worker() -> None:
         assert seconds >= 2 * 0.5  # both waited: one in its handler, one for the only worker
     finally:
         server.stop(0)
+
+
+class _Details(NamedTuple):
+    method: str
+    invocation_metadata: tuple
+
+
+class _EndedCall:
+    """The little of a ServicerContext a non-blocking handler's metrics read, for a call
+    its client ended before the handler ran: gRPC then adds no callback. The ordering
+    cannot be forced on a real server, so this stands in for its context."""
+
+    def add_callback(self, callback) -> bool:
+        return False
+
+    def is_active(self) -> bool:
+        return False
+
+    def code(self) -> None:
+        return None
+
+    def time_remaining(self) -> None:
+        return None
+
+
+def test_a_non_blocking_call_ended_before_its_handler_ran_is_counted_once() -> None:
+    def watch(request: bytes, context: grpc.ServicerContext, send) -> None:
+        """Returns at once and sends nothing, as a Watch of an ended call does."""
+
+    non_blocking(watch)
+    metrics = ServerMetrics()
+    details = _Details(f"/{SERVICE}/Watch", ())
+    handler = MetricsInterceptor(metrics).intercept_service(
+        lambda _: grpc.unary_stream_rpc_method_handler(watch), details
+    )
+    delta = _Delta(metrics, "Watch", "server_stream")
+    handler.unary_stream(b"", _EndedCall(), lambda response: None)
+    assert delta.changes() == {
+        "grpc_server_started_total": 1,
+        "grpc_server_msg_received_total": 1,
+        "grpc_server_handling_seconds_count": 1,
+        "CANCELLED": 1,
+    }
