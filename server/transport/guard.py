@@ -6,11 +6,12 @@ at once, against the places of its kind (the rows of `admission.limits`; beyond 
 RESOURCE_EXHAUSTED at once, on the refusals' threads), and a worker's place only once
 its request has arrived (a stream, as it starts): callers that send nothing hold threads
 and places, never the workers, and one caller computes one-request calls on half of them
-at most. Every call's requests and responses pass under the stall timer (`stalls`), a
-one-request method served as request-streaming so that waiting for its request is timed
-too; a call to the service holds its request's bytes (`Admission.hold`) from its first
-message to its end. Calls to the open services (no token) run on pools of their own and
-may evict one that waits on its client (`_open_share`, `pools`). A caller whose requests
+at most. Every call's requests, and a stream's responses, pass under the stall timer
+(`stalls`), a one-request method served as request-streaming so that waiting for its
+request is timed too; a call to the service holds its request's bytes (`Admission.hold`)
+from its first message to its end. Calls to the open services (no token) run on pools of
+their own, one connection's on half of their places at most (`_open_share`), and may
+evict one that waits on its client (`pools`). A caller whose requests
 refused for their content came to more than its budget of bytes lately (`budgets`) has
 its calls refused unread: each was received and copied before it could be refused.
 """
@@ -56,8 +57,8 @@ class CallGuard(grpc.ServerInterceptor):
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
         self._tokens = tokens
-        calls, streams, opened = (limits.count(n) for n in ("calls", "streams", "open_calls"))
-        self._calls = Pool(calls, per_caller=share(calls) if tokens else None)
+        most, streams, opened = (limits.count(n) for n in ("calls", "streams", "open_calls"))
+        self._calls = Pool(most, per_caller=share(most) if tokens else None)
         self._workers = Pool(limits.count("workers"), per_caller=share(limits.count("workers")))
         self._streams = Pool(streams, per_caller=share(streams) if tokens else None)
         self._open = Pool(opened, per_caller=share(opened), evict=True)
@@ -96,7 +97,7 @@ class CallGuard(grpc.ServerInterceptor):
             token = token_key(handler_call_details.invocation_metadata)
         kind = self._watches if watch else self._open if open_service else self._calls
         wanted = [(kind, token)]
-        if handler.request_streaming:  # a Watch is not: it returned above otherwise
+        if handler.request_streaming:  # never a Watch (an error above)
             wanted.append((self._open_streams if open_service else self._streams, token))
         places = take_each(wanted)
         if places is None:
