@@ -5,10 +5,11 @@ float32; and fresh secure noise, by Box-Muller on finer uniforms (`_fine`). Both
 runs on every core TensorFlow has.
 
 numpy ran the same rule as ~30 whole-array passes; here a model's 14.5M seeded entries
-take 118 ms on 2 cores where numpy's took 215, and match a numpy rule with libm's ln,
-cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~8 ns an entry, 20x
+take 52-64 ms on 2 cores where numpy's took 600, and match a numpy rule with libm's ln,
+cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~4 ns an entry, 7-9x
 writing the floats: XLA vectorises `ln`'s division and cases and `cos_sin`'s table reads
-poorly (1.7 and 2.4 ms of a 4.1 ms block of 2^18 words, against 0.4 for splitmix64).
+poorly (a block of 2^18 words takes ~1.9 ms; cos and sin by polynomials without tables
+took 9% less, not worth an ulp more often off libm's).
 
 Words are made a block at a time, at one of a few fixed sizes (XLA compiles each shape
 once): a stream longer than a block in whole blocks counted on the device, shorter
@@ -48,12 +49,14 @@ def _mix(z: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, _u64(31)))
 
 
-def _pairs(u1: tf.Tensor, u2: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _pairs(u1: tf.Tensor, u2: tf.Tensor) -> tf.Tensor:
     """Box-Muller's two entries, r cos t and r sin t, from uniforms u1 in (0, 1] and u2
-    in [0, 1), float64, each rounded once to float32."""
+    in [0, 1), float64, each rounded once to float32: as one complex64, whose bytes are
+    the two entries in order. As two outputs, XLA made each in a loop of its own, the
+    radius and the angle computed twice (3.1 ms a block of 2^18 words against 1.9)."""
     radius = tf.sqrt(-2.0 * ln(u1))
     cos, sin = cos_sin(u2 * (2.0 * np.pi))
-    return tf.cast(radius * cos, tf.float32), tf.cast(radius * sin, tf.float32)
+    return tf.complex(tf.cast(radius * cos, tf.float32), tf.cast(radius * sin, tf.float32))
 
 
 def _halves(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -71,17 +74,17 @@ def _fine(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return (top[:, 0] + 1.0) * 2.0**-53, top[:, 1] * 2.0**-53
 
 
-def _counted(first: tf.Tensor, key: tf.Tensor, size: int) -> tuple[tf.Tensor, tf.Tensor]:
+def _counted(first: tf.Tensor, key: tf.Tensor, size: int) -> tf.Tensor:
     """Words first .. first + size - 1 of the stream `key`: bits(k) = mix(key ^ k)."""
     counters = tf.cast(tf.range(size, dtype=tf.int64), tf.uint64) + first
     return _pairs(*_halves(_mix(tf.bitwise.bitwise_xor(counters, key))))
 
 
-def _keyed(keyed_counters: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _keyed(keyed_counters: tf.Tensor) -> tf.Tensor:
     return _pairs(*_halves(_mix(keyed_counters)))
 
 
-def _secure(word_pairs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _secure(word_pairs: tf.Tensor) -> tf.Tensor:
     return _pairs(*_fine(word_pairs))
 
 
@@ -113,10 +116,9 @@ def _size(words: int) -> int:
     return min(size, BLOCK_WORDS)
 
 
-def _into(out: np.ndarray, lo: int, pairs: tuple[tf.Tensor, tf.Tensor], count: int) -> None:
-    """Words lo .. lo + count - 1's entries, interleaved, into `out` (entries 2 lo ...)."""
-    out[2 * lo : 2 * (lo + count) : 2] = pairs[0].numpy()[:count]
-    out[2 * lo + 1 : 2 * (lo + count) : 2] = pairs[1].numpy()[:count]
+def _into(out: np.ndarray, lo: int, pairs: tf.Tensor, count: int) -> None:
+    """Words lo .. lo + count - 1's entries (`_pairs`) into `out` (entries 2 lo ...)."""
+    out[2 * lo : 2 * (lo + count)] = pairs.numpy()[:count].view(np.float32)
 
 
 def counted(key: int, first: int, words: int) -> np.ndarray:
