@@ -8,8 +8,8 @@ numpy ran the same rule as ~30 whole-array passes; here a model's 14.5M seeded e
 take 52-64 ms on 2 cores where numpy's took 600, and match a numpy rule with libm's ln,
 cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~4 ns an entry, 7-9x
 writing the floats: XLA vectorises `ln`'s division and cases and `cos_sin`'s table reads
-poorly (a block of 2^18 words takes ~1.9 ms; cos and sin by polynomials without tables
-took 9% less, not worth an ulp more often off libm's).
+poorly (a counted block of 2^18 words takes ~1.0 ms, fresh noise's ~2; cos and sin by
+polynomials without tables took 9% less, not worth an ulp more often off libm's).
 
 Words are made a block at a time, at one of a few fixed sizes (XLA compiles each shape
 once): a stream longer than a block in whole blocks counted on the device, shorter
@@ -52,8 +52,9 @@ def _mix(z: tf.Tensor) -> tf.Tensor:
 def _pairs(u1: tf.Tensor, u2: tf.Tensor) -> tf.Tensor:
     """Box-Muller's two entries, r cos t and r sin t, from uniforms u1 in (0, 1] and u2
     in [0, 1), float64, each rounded once to float32: as one complex64, whose bytes are
-    the two entries in order. As two outputs, XLA made each in a loop of its own, the
-    radius and the angle computed twice (3.1 ms a block of 2^18 words against 1.9)."""
+    the two entries in order, copied out at once. As two outputs, XLA made each of a
+    counted stream's in a loop of its own, computing its words twice (a block of 2^18:
+    1.6 ms against 1.0; fresh noise's words, given, were not: 1.9 against 2.1)."""
     radius = tf.sqrt(-2.0 * ln(u1))
     cos, sin = cos_sin(u2 * (2.0 * np.pi))
     return tf.complex(tf.cast(radius * cos, tf.float32), tf.cast(radius * sin, tf.float32))
