@@ -123,7 +123,7 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
     admission = Admission(
         max_examples=limits.count("inflight_examples"), max_bytes=limits.count("inflight_bytes")
     )
-    guard = _call_guard(config, limits, admission, metrics)
+    guard = CallGuard(limits, admission, metrics, tokens=config.auth_token_file is not None)
     coalescers = Coalescers(
         window_ms=config.batch_window_ms,
         max_coalesced_batch=config.max_coalesced_batch,
@@ -160,17 +160,6 @@ def start(config: Config, registry: ModelRegistry | None = None) -> RunningServe
         open_port,
         limits,
     )
-
-
-def _call_guard(
-    config: Config,
-    limits: Capacities,
-    admission: Admission,
-    metrics: ServerMetrics,
-) -> CallGuard:
-    """The guard admitting every call against the limits (per token where the server has
-    tokens)."""
-    return CallGuard(limits, admission, metrics, tokens=config.auth_token_file is not None)
 
 
 def _start_grpc(

@@ -57,16 +57,18 @@ class CallGuard(grpc.ServerInterceptor):
         # A caller may hold half of each pool: of the calls and streams to the service
         # per token (without tokens a caller is known only once its handler runs).
         self._tokens = tokens
-        most, streams, opened = (limits.count(n) for n in ("calls", "streams", "open_calls"))
+        most, workers, streams, opened, watches = (
+            limits.count(n) for n in ("calls", "workers", "streams", "open_calls", "watch_streams")
+        )
         self._calls = Pool(most, per_caller=share(most) if tokens else None)
-        self._workers = Pool(limits.count("workers"), per_caller=share(limits.count("workers")))
+        self._workers = Pool(workers, per_caller=share(workers))
         self._streams = Pool(streams, per_caller=share(streams) if tokens else None)
         self._open = Pool(opened, per_caller=share(opened), evict=True)
         self._open_streams = Pool(limits.count("open_streams"))
-        self._watches = Pool(limits.count("watch_streams"), evict=True)
+        self._watches = Pool(watches, evict=True)
         self._open_pool = ThreadPoolExecutor(max_workers=opened, thread_name_prefix="pergrad-open")
         self._watch_pool = ThreadPoolExecutor(
-            max_workers=limits.count("watch_streams"), thread_name_prefix="pergrad-watch"
+            max_workers=watches, thread_name_prefix="pergrad-watch"
         )
 
     def close(self) -> None:
@@ -104,8 +106,7 @@ class CallGuard(grpc.ServerInterceptor):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
             return refusal(handler.response_streaming, code, full(open_service))
         call = None if open_service else calls.Call(token or "")
-        waiting = places[0] if open_service else None
-        arrival = _Arrival(handler, behavior, method, places, call, waiting)
+        arrival = _Arrival(handler, behavior, method, places, call)
         guarded = self._watch_handler(arrival) if watch else self._guarded(arrival)
         if open_service:
             run_on(guarded, self._watch_pool if watch else self._open_pool)
@@ -239,12 +240,16 @@ class CallGuard(grpc.ServerInterceptor):
 
 class _Arrival(NamedTuple):
     """A call the guard admitted, as it arrived: its handler, behaviour and method, the
-    places it holds, its record (None for a call to an open service, which has none),
-    and an open call's place, which it may lose while it waits on its client."""
+    places it holds, and its record (None for a call to an open service, which has
+    none)."""
 
     handler: grpc.RpcMethodHandler
     behavior: Callable[..., Any]
     method: str
     places: list[Place]
     call: calls.Call | None
-    waiting: Place | None
+
+    @property
+    def waiting(self) -> Place | None:
+        """An open call's place, which it may lose while it waits on its client."""
+        return self.places[0] if self.call is None else None

@@ -7,9 +7,8 @@ runs on every core TensorFlow has.
 numpy ran the same rule as ~30 whole-array passes; here a model's 14.5M seeded entries
 take 52-64 ms on 2 cores where numpy's took 400-630, and match a numpy rule with libm's ln,
 cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~4 ns an entry, 7-9x
-writing the floats: XLA vectorises `ln`'s division and cases and `cos_sin`'s table reads
-poorly (a counted block of 2^18 words takes ~1.0 ms, fresh noise's ~2; cos and sin by
-polynomials without tables took 9% less, not worth an ulp more often off libm's).
+writing the floats (fresh noise ~6 ns, its words read rather than counted): XLA
+vectorises `ln`'s division and cases and `cos_sin`'s table reads poorly.
 
 Words are made a block at a time, at one of a few fixed sizes (XLA compiles each shape
 once): a stream longer than a block in whole blocks counted on the device, shorter
@@ -53,9 +52,8 @@ def _pairs(u1: tf.Tensor, u2: tf.Tensor) -> tf.Tensor:
     """Box-Muller's two entries, r cos t and r sin t, from uniforms u1 in (0, 1] and u2
     in [0, 1), float64, each rounded once to float32: as one complex64, whose bytes are
     the two entries in order, copied out at once. As two outputs, XLA made each in a
-    loop of its own, and a kernel that mixes its words made them twice (a block of 2^18
-    words: counted 1.6 ms, now 1.0; keyed 1.6, now 1.2). Fresh noise's kernel, its words
-    given, takes 2.1 ms, from 1.9; its one contiguous copy out makes that up."""
+    loop of its own, and the kernels that mix their words made them twice: seeded noise
+    for 14.5M entries took 90-106 ms, against 53 now (`benchmarks/noise.py`)."""
     radius = tf.sqrt(-2.0 * ln(u1))
     cos, sin = cos_sin(u2 * (2.0 * np.pi))
     return tf.complex(tf.cast(radius * cos, tf.float32), tf.cast(radius * sin, tf.float32))
