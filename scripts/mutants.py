@@ -176,13 +176,8 @@ MUTANTS = (
         (
             Edit(
                 "server/admission/inflight.py",
-                "        with ExitStack() as held:\n",
-                "        held = ExitStack()\n        if True:\n",
-            ),
-            Edit(
-                "server/admission/inflight.py",
-                "            yield\n",
-                "            yield\n            held.close()\n",
+                "        try:\n            yield\n        finally:\n",
+                "        yield\n        if True:\n",
             ),
         ),
         ("tests/server/test_faults.py",),

@@ -117,7 +117,7 @@ class Budget:
 
     def _add(self, caller: str, amount: int) -> None:
         self._held += amount
-        self._by_caller[caller] += amount
+        self._by_caller.add(caller, amount)
 
     def _give(self, caller: str, amount: int) -> None:
         with self._lock:

@@ -3,14 +3,23 @@ the byte budget."""
 
 from __future__ import annotations
 
-from collections import Counter
 
-
-class Held(Counter[str]):
+class Held:
     """Each caller's amount held; a caller holding none is dropped, so that callers come
     and go without the table growing. Not locked: its owner's lock guards it."""
 
+    def __init__(self) -> None:
+        self._by_caller: dict[str, int] = {}
+
+    def __getitem__(self, caller: str) -> int:
+        return self._by_caller.get(caller, 0)
+
+    def add(self, caller: str, amount: int = 1) -> None:
+        self._by_caller[caller] = self[caller] + amount
+
     def remove(self, caller: str, amount: int = 1) -> None:
-        self[caller] -= amount
-        if self[caller] <= 0:
-            del self[caller]
+        left = self[caller] - amount
+        if left > 0:
+            self._by_caller[caller] = left
+        else:
+            self._by_caller.pop(caller, None)

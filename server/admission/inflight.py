@@ -8,7 +8,7 @@ call that alone exceeds a bound could never run, and says so.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 from pergrad.server.admission.budgets import Budget, Unit
 from pergrad.server.admission.limits import share
@@ -30,10 +30,17 @@ class Admission:
         large for either bound is told so before a busy one is."""
         self.examples.check_alone(examples)
         self.bytes.check_alone(nbytes, own=request_bytes)
-        with ExitStack() as held:
-            held.callback(self.bytes.take(nbytes, caller, own=request_bytes))
-            held.callback(self.examples.take(examples))
+        give_bytes = self.bytes.take(nbytes, caller, own=request_bytes)
+        try:
+            give_examples = self.examples.take(examples)
+        except BaseException:
+            give_bytes()
+            raise
+        try:
             yield
+        finally:
+            give_examples()
+            give_bytes()
 
     def hold(self, nbytes: int, caller: str = "") -> Callable[[], None]:
         """Hold a request's `nbytes` until the returned function is called, or refuse."""

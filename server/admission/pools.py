@@ -131,7 +131,7 @@ class Pool:
             if place.caller is not None:
                 self._by_caller.remove(place.caller)
             place.caller = caller
-            self._by_caller[caller] += 1
+            self._by_caller.add(caller)
             return True
 
     def mark_waiting(self, place: Place, context: grpc.ServicerContext | None) -> None:
@@ -160,7 +160,7 @@ class Pool:
         place = Place(self, caller)
         self._held.add(place)
         if caller is not None:
-            self._by_caller[caller] += 1
+            self._by_caller.add(caller)
         return place
 
     def _remove(self, place: Place) -> None:
