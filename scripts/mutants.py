@@ -395,8 +395,8 @@ MUTANTS = (
         (
             Edit(
                 "server/engine/reductions/box_muller.py",
-                "return (top[:, 0] + 1.0) * 2.0**-53, top[:, 1] * 2.0**-53",
-                "return top[:, 0] * 2.0**-53, top[:, 1] * 2.0**-53",
+                "return (a + 1.0) * 2.0**-53, b * 2.0**-53",
+                "return a * 2.0**-53, b * 2.0**-53",
             ),
         ),
         ("tests/server/engine/test_random_streams.py",),

@@ -1,14 +1,14 @@
 """The wire contract's GAUSSIAN rule (`random_streams`) compiled by XLA into one loop:
 splitmix64, then Box-Muller in float64 on each word's two 32-bit halves, rounded once to
 float32; and fresh secure noise, by Box-Muller on finer uniforms (`_fine`). Both with
-`ln` and `cos_sin` made of products, sums and table reads, so the loop vectorises and
-runs on every core TensorFlow has.
+`ln` and `cos_sin` made of products, sums and table reads, so the loop vectorises; a
+stream's blocks run on every core (`_by_blocks`).
 
 numpy ran the same rule as ~30 whole-array passes; here a model's 14.5M seeded entries
-take 52-64 ms on 2 cores where numpy's took 400-630, and match a numpy rule with libm's ln,
-cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~4 ns an entry, 7-9x
-writing the floats (fresh noise ~6 ns, its words read rather than counted): XLA
-vectorises `ln`'s division and cases and `cos_sin`'s table reads poorly.
+take ~43 ms on 2 cores where numpy's took 460-690, and match a numpy rule with libm's ln,
+cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~3 ns an entry, 6x
+writing the floats (fresh noise ~4.7 ns, with ChaCha20's words): XLA vectorises `ln`'s
+division and cases and `cos_sin`'s table reads poorly.
 
 Words are made a block at a time, at one of a few fixed sizes (XLA compiles each shape
 once): a stream longer than a block in whole blocks counted on the device, shorter
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from pergrad.server.engine.cores import on_cores
 from pergrad.server.engine.flat_call import FlatCall
 from pergrad.server.engine.reductions.ln import ln
 from pergrad.server.engine.reductions.sincos import cos_sin
@@ -69,9 +70,12 @@ def _halves(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
 def _fine(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """Fresh noise's uniforms, 53 bits each from a pair of words: u1 = (a + 1) 2^-53 in
     (0, 1], so |entry| <= sqrt(-2 ln 2^-53) = 8.57 (a tail mass of 1e-17 cut, where the
-    contract's 32-bit u1 cuts 1e-11 at 6.8), and u2 = b 2^-53."""
-    top = tf.cast(tf.bitwise.right_shift(words, _u64(11)), tf.float64)
-    return (top[:, 0] + 1.0) * 2.0**-53, top[:, 1] * 2.0**-53
+    contract's 32-bit u1 cuts 1e-11 at 6.8), and u2 = b 2^-53. Each column is sliced
+    before it is shifted: shifted and converted whole, then sliced, XLA's loop over the
+    [n, 2] shape vectorised worse, and 14.5M fresh entries took 94-101 ms, against 78-82
+    (`benchmarks/noise.py`)."""
+    a, b = (tf.cast(tf.bitwise.right_shift(words[:, i], _u64(11)), tf.float64) for i in (0, 1))
+    return (a + 1.0) * 2.0**-53, b * 2.0**-53
 
 
 def _counted(first: tf.Tensor, key: tf.Tensor, size: int) -> tf.Tensor:
@@ -121,38 +125,55 @@ def _into(out: np.ndarray, lo: int, pairs: tf.Tensor, count: int) -> None:
     out[2 * lo : 2 * (lo + count)] = pairs.numpy()[:count].view(np.float32)
 
 
+def _by_blocks(words: int, block: Callable[[int, int], tf.Tensor], out: np.ndarray) -> np.ndarray:
+    """`block(lo, count)`'s entries for words lo .. lo + count - 1, each block of words
+    into `out`, the blocks on every core: XLA runs one kernel on about one core, and a
+    model's 14.5M seeded entries took 60-61 ms block after block, 43 on both cores
+    (`benchmarks/noise.py`)."""
+    blocks = range(0, words, BLOCK_WORDS)
+
+    def fill(part: slice) -> None:
+        for lo in blocks[part]:
+            count = min(BLOCK_WORDS, words - lo)
+            _into(out, lo, block(lo, count), count)
+
+    on_cores(len(blocks), fill, serial=len(blocks) < 2)
+    return out
+
+
 def counted(key: int, first: int, words: int) -> np.ndarray:
     """Entries 2 first .. 2 (first + words) - 1 of the Gaussian stream `key`, float32."""
-    out = np.empty(2 * words, np.float32)
-    for lo in range(0, words, BLOCK_WORDS):
-        count = min(BLOCK_WORDS, words - lo)
+
+    def block(lo: int, count: int) -> tf.Tensor:
         start = _u64((first + lo) % (1 << 64))
-        _into(out, lo, _compiled(_counted, _size(count))(start, _u64(key)), count)
-    return out
+        return _compiled(_counted, _size(count))(start, _u64(key))
+
+    return _by_blocks(words, block, np.empty(2 * words, np.float32))
 
 
-def _blockwise(
+def _given(
     kernel: Callable[[tf.Tensor], Any], words: np.ndarray, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """`kernel`'s two entries for each row of `words` (uint64), a block of rows at a time,
-    into `out` (a new array if None)."""
-    out = np.empty(2 * len(words), np.float32) if out is None else out
-    for lo in range(0, len(words), BLOCK_WORDS):
-        block = words[lo : lo + BLOCK_WORDS]
-        count, size = len(block), _size(len(block))
+    """`kernel`'s two entries for each row of `words` (uint64), into `out` (a new array if
+    None)."""
+
+    def block(lo: int, count: int) -> tf.Tensor:
+        rows, size = words[lo : lo + count], _size(count)
         if size > count:  # the last block, padded to a compiled size
             padding = np.zeros((size - count, *words.shape[1:]), np.uint64)
-            block = np.concatenate([block, padding])
-        _into(out, lo, _compiled(kernel, size)(block), count)
-    return out
+            rows = np.concatenate([rows, padding])
+        return _compiled(kernel, size)(rows)
+
+    out = np.empty(2 * len(words), np.float32) if out is None else out
+    return _by_blocks(len(words), block, out)
 
 
 def keyed(keyed_counters: np.ndarray) -> np.ndarray:
     """Two entries for each `key ^ k` given (uint64): those of word k of stream `key`."""
-    return _blockwise(_keyed, keyed_counters)
+    return _given(_keyed, keyed_counters)
 
 
 def secure(word_pairs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Two Gaussians for each pair of secure random 64-bit words ([n, 2] uint64), from
     53-bit uniforms (`_fine`), into `out` if given."""
-    return _blockwise(_secure, word_pairs, out)
+    return _given(_secure, word_pairs, out)
