@@ -1,7 +1,8 @@
 """Gaussian noise for a DP step: what a model's noise costs against writing its floats.
 
-For each size (mnist_mlp's 101,770 parameters; the GPT-2-shaped classifier's 14.5M of
-`gpt2_dp.py`), medians of interleaved rounds of:
+For each model (mnist_mlp's 101,770 parameters, a stream per variable as the server draws
+them; the GPT-2-shaped classifier's 14.5M of `gpt2_dp.py`, as one stream), medians of
+interleaved rounds of:
 
   write        np.full of the same float32 array: memory speed, the issue's yardstick
   seeded       the server's seeded noise (`random_streams.gaussians`, one stream)
@@ -37,8 +38,14 @@ from pergrad.server.engine.reductions.random_streams import (
     secure_gaussians,
     stream_key,
 )
+from pergrad.server.models.builtin import BUILTIN_MODELS
 
-SIZES = {"mnist_mlp": 101_770, "gpt2-shaped": 14_500_000}
+
+def _variable_sizes(model: str) -> list[int]:
+    return [int(np.prod(v.shape)) for v in BUILTIN_MODELS[model]().trainable_variables]
+
+
+SIZES = {"mnist_mlp": _variable_sizes("mnist_mlp"), "gpt2-shaped": [14_500_000]}
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
@@ -60,16 +67,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    key = stream_key(7, 3, 2)
+    keys = {name: [stream_key(7, i, 2) for i in range(len(sizes))] for name, sizes in SIZES.items()}
     rng = np.random.default_rng(0)
     print(f"{'size':>12} {'method':>11} {'ms':>8} {'ns/entry':>9} {'x write':>8}")
-    for name, count in SIZES.items():
+    for name, sizes in SIZES.items():
+        count, streams = sum(sizes), keys[name]
         times = interleaved_medians(
             {
                 "write": lambda count=count: np.full(count, 1.0, np.float32),
-                "seeded": lambda count=count: gaussians([key], [count]),
-                "fresh": lambda count=count: secure_gaussians([count]),
-                "numpy rule": lambda count=count: numpy_rule(key, count),
+                "seeded": lambda streams=streams, sizes=sizes: gaussians(streams, sizes),
+                "fresh": lambda sizes=sizes: secure_gaussians(sizes),
+                "numpy rule": lambda streams=streams, sizes=sizes: [
+                    numpy_rule(key, size) for key, size in zip(streams, sizes, strict=True)
+                ],
                 "ChaCha20": lambda count=count: secure_bits(count),
                 "getrandom": lambda count=count: os.urandom(4 * count),
                 "PCG64": lambda count=count: rng.standard_normal(count, np.float32),
@@ -81,7 +91,10 @@ def main() -> None:
                 f"{name:>12} {method:>11} {seconds * 1e3:8.2f} {seconds / count * 1e9:9.2f} "
                 f"{seconds / times['write']:8.1f}"
             )
-        differ = np.count_nonzero(gaussians([key], [count])[0] != numpy_rule(key, count))
+        differ = sum(
+            np.count_nonzero(entries != numpy_rule(key, size))
+            for entries, key, size in zip(gaussians(streams, sizes), streams, sizes, strict=True)
+        )
         print(f"{name:>12} compiled rule's entries unlike the numpy rule's: {differ} of {count}")
 
 
