@@ -127,9 +127,9 @@ def _into(out: np.ndarray, lo: int, pairs: tf.Tensor, count: int) -> None:
 
 def _by_blocks(words: int, block: Callable[[int, int], tf.Tensor], out: np.ndarray) -> np.ndarray:
     """`block(lo, count)`'s entries for words lo .. lo + count - 1, each block of words
-    into `out`, the blocks on every core: XLA runs one kernel on about one core, and a
-    model's 14.5M seeded entries took 60-61 ms block after block, 43 on both cores
-    (`benchmarks/noise.py`)."""
+    into `out`, the blocks on every core: XLA spreads one kernel over the cores only in
+    part, and a model's 14.5M seeded entries took 60-61 ms block after block, 43 on both
+    cores (`benchmarks/noise.py`)."""
     blocks = range(0, words, BLOCK_WORDS)
 
     def fill(part: slice) -> None:
