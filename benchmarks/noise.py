@@ -5,7 +5,7 @@ them; the GPT-2-shaped classifier's 14.5M of `gpt2_dp.py`, as one stream), media
 interleaved rounds of:
 
   write        np.full of the same float32 array: memory speed, the issue's yardstick
-  seeded       the server's seeded noise (`random_streams.gaussians`, one stream)
+  seeded       the server's seeded noise (`random_streams.gaussians`, a stream a variable)
   fresh        the server's fresh noise (`secure_gaussians`: ChaCha20 keyed by getrandom)
   numpy rule   the contract's rule written in numpy with libm's ln, cos and sin (what
                the server ran before the compiled rule)

@@ -5,10 +5,10 @@ float32; and fresh secure noise, by Box-Muller on finer uniforms (`_fine`). Both
 stream's blocks run on every core (`_by_blocks`).
 
 numpy ran the same rule as ~30 whole-array passes; here a model's 14.5M seeded entries
-take ~43 ms on 2 cores where numpy's took 460-690, and match a numpy rule with libm's ln,
-cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still ~3 ns an entry, 6x
-writing the floats (fresh noise ~4.7 ns, with ChaCha20's words): XLA vectorises `ln`'s
-division and cases and `cos_sin`'s table reads poorly.
+take 36-42 ms on 2 cores where numpy's took 426-690, and match a numpy rule with libm's
+ln, cos and sin bit for bit on all 14.5M (`benchmarks/noise.py`). Still 2.5-2.9 ns an
+entry, 5-6x writing the floats (fresh noise 4.1-4.4 ns, with ChaCha20's words): float64
+ln, cos and sin of every word, ~3 ns of one core's time.
 
 Words are made a block at a time, at one of a few fixed sizes (XLA compiles each shape
 once): a stream longer than a block in whole blocks counted on the device, shorter
@@ -18,6 +18,7 @@ streams together from their counters, fresh noise from the secure words given.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -49,14 +50,25 @@ def _mix(z: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, _u64(31)))
 
 
-def _pairs(u1: tf.Tensor, u2: tf.Tensor) -> tf.Tensor:
+def _rounded(value: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    """`value` (float64) as stored, its bits through an XOR with `zero`, a uint64 input the
+    compiler cannot see is 0: XLA lets LLVM fuse a product into the sum that reads it
+    (FMA), which skips the product's rounding."""
+    return tf.bitcast(tf.bitwise.bitwise_xor(tf.bitcast(value, tf.uint64), zero), tf.float64)
+
+
+def _pairs(u1: tf.Tensor, u2: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
     """Box-Muller's two entries, r cos t and r sin t, from uniforms u1 in (0, 1] and u2
     in [0, 1), float64, each rounded once to float32: as one complex64, whose bytes are
     the two entries in order, copied out at once. As two outputs, XLA made each in a
     loop of its own, and the kernels that mix their words made them twice: seeded noise
-    for 14.5M entries took 90-106 ms, against 53 now (`benchmarks/noise.py`)."""
+    for 14.5M entries took 90-106 ms, against 53 then (`benchmarks/noise.py`).
+
+    t = u2 * 2 pi is rounded before `cos_sin` reads it (`_rounded`), as the contract
+    says: fused into `cos_sin`'s t - node, the unrounded product put entry 6,506,615 of
+    stream key(7, 0, 2), a cosine within 1e-10 of zero, 3 float32 ulps off."""
     radius = tf.sqrt(-2.0 * ln(u1))
-    cos, sin = cos_sin(u2 * (2.0 * np.pi))
+    cos, sin = cos_sin(_rounded(u2 * (2.0 * np.pi), zero))
     return tf.complex(tf.cast(radius * cos, tf.float32), tf.cast(radius * sin, tf.float32))
 
 
@@ -78,38 +90,47 @@ def _fine(words: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return (a + 1.0) * 2.0**-53, b * 2.0**-53
 
 
-def _counted(first: tf.Tensor, key: tf.Tensor, size: int) -> tf.Tensor:
+def _counted(first: tf.Tensor, key: tf.Tensor, zero: tf.Tensor, size: int) -> tf.Tensor:
     """Words first .. first + size - 1 of the stream `key`: bits(k) = mix(key ^ k)."""
     counters = tf.cast(tf.range(size, dtype=tf.int64), tf.uint64) + first
-    return _pairs(*_halves(_mix(tf.bitwise.bitwise_xor(counters, key))))
+    return _pairs(*_halves(_mix(tf.bitwise.bitwise_xor(counters, key))), zero)
 
 
-def _keyed(keyed_counters: tf.Tensor) -> tf.Tensor:
-    return _pairs(*_halves(_mix(keyed_counters)))
+def _keyed(keyed_counters: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    return _pairs(*_halves(_mix(keyed_counters)), zero)
 
 
-def _secure(word_pairs: tf.Tensor) -> tf.Tensor:
-    return _pairs(*_fine(word_pairs))
+def _secure(word_pairs: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    return _pairs(*_fine(word_pairs), zero)
 
 
 _SCALAR = tf.TensorSpec([], tf.uint64)
 # Each kernel's signature at a compiled size, and what it takes as fixed: a stream's block
-# is counted on the device from (first, key); the others take their words.
+# is counted on the device from (first, key); the others take their words. Each takes
+# `_ZERO` last (`_rounded`).
 _SIGNATURES = {
-    _counted: lambda size: ([_SCALAR, _SCALAR], {"size": size}),
-    _keyed: lambda size: ([tf.TensorSpec([size], tf.uint64)], {}),
-    _secure: lambda size: ([tf.TensorSpec([size, 2], tf.uint64)], {}),
+    _counted: lambda size: ([_SCALAR, _SCALAR, _SCALAR], {"size": size}),
+    _keyed: lambda size: ([tf.TensorSpec([size], tf.uint64), _SCALAR], {}),
+    _secure: lambda size: ([tf.TensorSpec([size, 2], tf.uint64), _SCALAR], {}),
 }
+_ZERO = tf.constant(0, tf.uint64)
+_KERNELS: dict[tuple[Callable[..., Any], int], FlatCall] = {}
+_KERNELS_LOCK = threading.Lock()
 
 
-@functools.cache
 def _compiled(kernel: Callable[..., Any], size: int) -> FlatCall:
     """`kernel` compiled by XLA for `size` words, called flat (`FlatCall`): through
     tf.function's dispatch and `tf.constant`, a model's fresh noise spent ~0.6 ms of a
-    mnist_mlp DP step binding and copying its words."""
-    signature, fixed = _SIGNATURES[kernel](size)
-    function = functools.partial(kernel, **fixed) if fixed else kernel
-    return FlatCall(tf.function(function, input_signature=signature, jit_compile=True))
+    mnist_mlp DP step binding and copying its words. Made once, under a lock: a stream's
+    first blocks ask for it from every core at once."""
+    with _KERNELS_LOCK:
+        if (kernel, size) not in _KERNELS:
+            signature, fixed = _SIGNATURES[kernel](size)
+            function = functools.partial(kernel, **fixed) if fixed else kernel
+            _KERNELS[kernel, size] = FlatCall(
+                tf.function(function, input_signature=signature, jit_compile=True)
+            )
+        return _KERNELS[kernel, size]
 
 
 def _size(words: int) -> int:
@@ -128,8 +149,8 @@ def _into(out: np.ndarray, lo: int, pairs: tf.Tensor, count: int) -> None:
 def _by_blocks(words: int, block: Callable[[int, int], tf.Tensor], out: np.ndarray) -> np.ndarray:
     """`block(lo, count)`'s entries for words lo .. lo + count - 1, each block of words
     into `out`, the blocks on every core: XLA spreads one kernel over the cores only in
-    part, and a model's 14.5M seeded entries took 60-61 ms block after block, 43 on both
-    cores (`benchmarks/noise.py`)."""
+    part, and a model's 14.5M seeded entries took 45-48 ms block after block, 40-42 on
+    both cores (`benchmarks/noise.py`, three runs of each alternating)."""
     blocks = range(0, words, BLOCK_WORDS)
 
     def fill(part: slice) -> None:
@@ -146,13 +167,15 @@ def counted(key: int, first: int, words: int) -> np.ndarray:
 
     def block(lo: int, count: int) -> tf.Tensor:
         start = _u64((first + lo) % (1 << 64))
-        return _compiled(_counted, _size(count))(start, _u64(key))
+        return _compiled(_counted, _size(count))(start, _u64(key), _ZERO)
 
     return _by_blocks(words, block, np.empty(2 * words, np.float32))
 
 
 def _given(
-    kernel: Callable[[tf.Tensor], Any], words: np.ndarray, out: np.ndarray | None = None
+    kernel: Callable[[tf.Tensor, tf.Tensor], Any],
+    words: np.ndarray,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """`kernel`'s two entries for each row of `words` (uint64), into `out` (a new array if
     None)."""
@@ -162,7 +185,7 @@ def _given(
         if size > count:  # the last block, padded to a compiled size
             padding = np.zeros((size - count, *words.shape[1:]), np.uint64)
             rows = np.concatenate([rows, padding])
-        return _compiled(kernel, size)(rows)
+        return _compiled(kernel, size)(rows, _ZERO)
 
     out = np.empty(2 * len(words), np.float32) if out is None else out
     return _by_blocks(len(words), block, out)

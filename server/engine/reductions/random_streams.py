@@ -35,8 +35,9 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _U64 = np.uint64
 # Gaussian streams this long or longer are counted on the device, each alone; shorter
-# ones are made together from their counters: a compiled call costs ~0.2 ms, and at
-# 2^15 mnist_mlp's noise (a stream of 100,352 entries and three short) took two.
+# ones are made together from their counters: a compiled call costs ~0.1 ms beyond its
+# work, and at 2^15 mnist_mlp's noise (100,352 entries and three short streams) took two
+# (`benchmarks/noise.py`: 1.14-1.47 ms, against 0.82-1.09 in one).
 ALONE_ENTRIES = 1 << 17
 # cryptography writes a stream cipher's output a 64-byte block past its input's end.
 _CHACHA_SLACK_WORDS = 8

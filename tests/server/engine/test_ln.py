@@ -6,6 +6,7 @@ from decimal import Decimal, localcontext
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from pergrad.server.engine.reductions.ln import ln
 
@@ -50,8 +51,10 @@ def _fine_uniforms(count: int) -> np.ndarray:
     ],
     ids=["random", "hard", "fresh noise's"],
 )
-def test_ln_is_within_an_ulp_of_the_truth(x: np.ndarray) -> None:
-    made = ln(x).numpy()
+@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+def test_ln_is_within_an_ulp_of_the_truth(x: np.ndarray, xla: bool) -> None:
+    """Eagerly, and compiled as the noise kernels run it (XLA may fuse its products)."""
+    made = (tf.function(ln, jit_compile=True) if xla else ln)(x).numpy()
     assert max(_ulps(float(m), float(v)) for m, v in zip(made, x, strict=True)) <= 1.0
 
 

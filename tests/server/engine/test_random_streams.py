@@ -54,6 +54,33 @@ def test_a_range_longer_than_a_block_equals_its_blocks_made_alone(start: int) ->
     assert whole.tobytes() == np.concatenate(blocks).tobytes()
 
 
+def _spec_gaussians(key: int, start: int, count: int) -> np.ndarray:
+    return np.array([spec_random.gaussian(key, n) for n in range(start, start + count)])
+
+
+def test_streams_over_many_blocks_on_every_core_are_the_wire_contracts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blocks of a counted stream, and of short streams made together, each made on a
+    core of its own: every entry where the contract puts it, a partial last block too."""
+    monkeypatch.setattr(box_muller, "BLOCK_WORDS", box_muller.SMALLEST_WORDS)
+    counted = random_streams.gaussian(21, 1, 2 * 7 * box_muller.SMALLEST_WORDS + 3)
+    assert counted.tobytes() == _spec_gaussians(21, 1, len(counted)).astype(np.float32).tobytes()
+    keys, counts = [5, 6, 7, 8, 9], [5001, 3, 10247, 0, 1]
+    together = random_streams.gaussians(keys, counts)
+    spec = [_spec_gaussians(k, 0, c).astype(np.float32) for k, c in zip(keys, counts, strict=True)]
+    assert [a.tobytes() for a in together] == [a.tobytes() for a in spec]
+
+
+def test_an_angle_near_a_zero_of_cos_is_rounded_as_the_contract_says() -> None:
+    """Entry 6,506,615 of this stream is r cos t with t within 1e-10 of pi / 2: computed
+    from u2 * 2 pi unrounded (XLA fuses a product into the sum after it), it is 3
+    float32 ulps from the contract's."""
+    key, n = spec_random.key(7, 0, 2), 6_506_615
+    made = random_streams.gaussian(key, n, 1)
+    assert made.tobytes() == np.float32(spec_random.gaussian(key, n)).tobytes()
+
+
 def test_matrix_rows_are_rows_of_the_whole_matrix() -> None:
     whole = random_streams.matrix_rows(5, 1, 0, rows=range(10), columns=33, kind="gaussian")
     part = random_streams.matrix_rows(5, 1, 0, rows=range(3, 7), columns=33, kind="gaussian")
