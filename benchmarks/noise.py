@@ -67,11 +67,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    keys = {name: [stream_key(7, i, 2) for i in range(len(sizes))] for name, sizes in SIZES.items()}
     rng = np.random.default_rng(0)
     print(f"{'size':>12} {'method':>11} {'ms':>8} {'ns/entry':>9} {'x write':>8}")
     for name, sizes in SIZES.items():
-        count, streams = sum(sizes), keys[name]
+        count, streams = sum(sizes), [stream_key(7, i, 2) for i in range(len(sizes))]
         times = interleaved_medians(
             {
                 "write": lambda count=count: np.full(count, 1.0, np.float32),

@@ -24,13 +24,19 @@ def test_the_text_the_spec_implements_is_the_protos_word_for_word() -> None:
     assert len(starts) == 1, "tests/spec_random.py's TEXT is not the proto's section"
 
 
+def _spec(kind: str, key: int, start: int, count: int) -> np.ndarray:
+    """Entries [start, start + count) of the stream `key` by the contract's own text."""
+    entry = getattr(spec_random, kind)
+    return np.array([entry(key, n) for n in range(start, start + count)], np.float32)
+
+
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 @pytest.mark.parametrize("seed", [0, 7, 2**63 + 11, 2**64 - 1])
 def test_entries_are_the_wire_contracts_bit_for_bit(kind: str, seed: int) -> None:
     key = random_streams.stream_key(seed, 3, 1)
     assert key == spec_random.key(seed, 3, 1)
     made = random_streams.KINDS[kind](key, 0, 3000)
-    spec = np.array([getattr(spec_random, kind)(key, n) for n in range(3000)], np.float32)
+    spec = _spec(kind, key, 0, 3000)
     assert made.dtype == np.float32
     assert made.tobytes() == spec.tobytes()
 
@@ -54,10 +60,6 @@ def test_a_range_longer_than_a_block_equals_its_blocks_made_alone(start: int) ->
     assert whole.tobytes() == np.concatenate(blocks).tobytes()
 
 
-def _spec_gaussians(key: int, start: int, count: int) -> np.ndarray:
-    return np.array([spec_random.gaussian(key, n) for n in range(start, start + count)])
-
-
 def test_streams_over_many_blocks_on_every_core_are_the_wire_contracts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -65,10 +67,10 @@ def test_streams_over_many_blocks_on_every_core_are_the_wire_contracts(
     core of its own: every entry where the contract puts it, a partial last block too."""
     monkeypatch.setattr(box_muller, "BLOCK_WORDS", box_muller.SMALLEST_WORDS)
     counted = random_streams.gaussian(21, 1, 2 * 7 * box_muller.SMALLEST_WORDS + 3)
-    assert counted.tobytes() == _spec_gaussians(21, 1, len(counted)).astype(np.float32).tobytes()
+    assert counted.tobytes() == _spec("gaussian", 21, 1, len(counted)).tobytes()
     keys, counts = [5, 6, 7, 8, 9], [5001, 3, 10247, 0, 1]
     together = random_streams.gaussians(keys, counts)
-    spec = [_spec_gaussians(k, 0, c).astype(np.float32) for k, c in zip(keys, counts, strict=True)]
+    spec = [_spec("gaussian", k, 0, c) for k, c in zip(keys, counts, strict=True)]
     assert [a.tobytes() for a in together] == [a.tobytes() for a in spec]
 
 
