@@ -251,6 +251,7 @@ LEAF_SHARED = (
     "pergrad.server.engine.flat_call",
     "pergrad.server.engine.grads",
     "pergrad.server.engine.layers",
+    "pergrad.server.engine.patches",
     "pergrad.server.engine.slices",
     "pergrad.server.errors",
 )

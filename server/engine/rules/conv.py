@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, Outer, as_sequence
+from pergrad.server.engine.patches import patches_2d
 from pergrad.server.engine.rules import Rule
 
 
@@ -27,39 +28,6 @@ def applies_to_conv(layer: keras.layers.Layer) -> str | None:
     if getattr(layer, "lora_enabled", False):
         return f"LoRA-enabled {type(layer).__name__}"
     return None
-
-
-# Unfolding by convolution with an identity filter costs about N*K*K multiply-adds at
-# ~55 GMAC/s here, `tf.image.extract_patches` about 3.5 ns per output element (N*K); for
-# mnist_cnn's conv1 (K=64) 3.6 ms vs 18 ms, for its conv2 (K=256) 7.8 ms vs 4.4 ms.
-_IDENTITY_FILTER_MAX_K = 192
-
-
-def patches_2d(layer: keras.layers.Layer, inputs: tf.Tensor) -> tf.Tensor:
-    """[B, H_out, W_out, kh*kw*C] receptive fields, laid out like the kernel's first axes."""
-    sizes, strides, rates = (
-        tuple(layer.kernel_size),
-        tuple(layer.strides),
-        tuple(layer.dilation_rate),
-    )
-    padding = layer.padding.upper()
-    if len(sizes) == 1:
-        if padding == "CAUSAL":
-            inputs = tf.pad(inputs, [[0, 0], [rates[0] * (sizes[0] - 1), 0], [0, 0]])
-            padding = "VALID"
-        inputs, sizes, strides, rates = inputs[:, None], (1, *sizes), (1, *strides), (1, *rates)
-    channels = inputs.shape[-1]
-    k = sizes[0] * sizes[1] * channels
-    if k <= _IDENTITY_FILTER_MAX_K:
-        identity = tf.reshape(tf.eye(k, dtype=inputs.dtype), [*sizes, channels, k])
-        return tf.nn.conv2d(inputs, identity, strides, padding, dilations=rates)
-    return tf.image.extract_patches(
-        inputs,
-        sizes=[1, *sizes, 1],
-        strides=[1, *strides, 1],
-        rates=[1, *rates, 1],
-        padding=padding,
-    )
 
 
 def per_example(

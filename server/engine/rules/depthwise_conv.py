@@ -12,8 +12,9 @@ import keras
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, as_sequence
+from pergrad.server.engine.patches import patches_2d
 from pergrad.server.engine.rules import Rule
-from pergrad.server.engine.rules.conv import applies_to_conv, patches_2d
+from pergrad.server.engine.rules.conv import applies_to_conv
 
 
 def depthwise_kernel_grad(kernel: keras.Variable, patches: tf.Tensor, g: tf.Tensor) -> tf.Tensor:

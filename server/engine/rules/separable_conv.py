@@ -16,8 +16,9 @@ import keras
 import tensorflow as tf
 
 from pergrad.server.engine.grads import Grad, Outer, as_sequence
+from pergrad.server.engine.patches import patches_2d
 from pergrad.server.engine.rules import Rule
-from pergrad.server.engine.rules.conv import applies_to_conv, patches_2d
+from pergrad.server.engine.rules.conv import applies_to_conv
 from pergrad.server.engine.rules.depthwise_conv import depthwise_kernel_grad
 
 

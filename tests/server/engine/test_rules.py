@@ -86,6 +86,20 @@ CASES: dict[str, Callable[[], keras.Model]] = {
             x
         ),
     ),
+    # Rows of 8 channels or more: patches by unit-stride slices (`patches`).
+    "conv2d_same_wide_by_slices": lambda: _model(
+        (6, 7, 8),
+        lambda x: L.Conv2D(3, 3, padding="same", activation="relu", kernel_initializer=_init(3))(x),
+    ),
+    "conv2d_window_of_strides_by_slices": lambda: _model(
+        (9, 8, 4), lambda x: L.Conv2D(3, 4, strides=2, kernel_initializer=_init(3))(x)
+    ),
+    "conv1d_same_strided_by_slices": lambda: _model(
+        (11, 4), lambda x: L.Conv1D(3, 4, strides=2, padding="same", kernel_initializer=_init(4))(x)
+    ),
+    "depthwise_conv2d_by_slices": lambda: _model(
+        (6, 6, 8), lambda x: L.DepthwiseConv2D(3, padding="same", depthwise_initializer=_init(5))(x)
+    ),
     "depthwise_conv2d": lambda: _model(
         (8, 8, 3),
         lambda x: L.DepthwiseConv2D(
