@@ -10,7 +10,9 @@ Small requests (--small): N clients each send requests of B examples back to bac
 fixed time, `clipped_sum` or `norms` of mnist_mlp and mnist_cnn, to two servers: one
 coalescing small requests (--max-coalesced-batch 128, the default where a GPU is seen),
 one not (0, the default on a CPU), in alternating rounds; reported: examples/s and
-p50/p99 latency, and the ratio.
+p50/p99 latency, and the ratio. Then, on the server that does not coalesce, N clients of
+B=8 against one client of B=128 in alternating rounds: issue 44's ratio, both sides
+measured in the same run.
 
     python benchmarks/load.py [--clients 16] [--requests 10]
     python benchmarks/load.py --small [--clients 16] [--seconds 5] [--rounds 2]
@@ -58,6 +60,7 @@ def client(target: str, requests: int) -> None:
 
 SMALL_MODELS = {"mnist_mlp": mlp_batch, "mnist_cnn": cnn_batch}
 SMALL_BATCHES = (8, 32, 128)
+REFERENCE_BATCH = 128  # issue 44: small clients against one client of this B
 SMALL_REDUCTIONS = {
     "clipped_sum": {"max_norm": 1.0, "noise_multiplier": 1.0, "seed": 1},
     "norms": {},
@@ -114,14 +117,32 @@ def _small_run(
     )
 
 
+def _against_one_client(
+    target: str, model: str, clients: int, seconds: float, rounds: int
+) -> list[str]:
+    """Rows of issue 44's ratio in one run: `clients` clients of the smallest B against
+    one client of REFERENCE_BATCH, in alternating rounds, on one server."""
+    rows = []
+    for reduction in SMALL_REDUCTIONS:
+        many, one = [], []
+        for _ in range(rounds):
+            many.append(_small_run(target, model, reduction, SMALL_BATCHES[0], clients, seconds))
+            one.append(_small_run(target, model, reduction, REFERENCE_BATCH, 1, seconds))
+        m, o = (statistics.median(run[0] for run in runs) for runs in (many, one))
+        rows.append(f"| {model} | {reduction} | {m:.0f} | {o:.0f} | {m / o:.2f} |")
+    return rows
+
+
 def small(clients: int, seconds: float, rounds: int) -> None:
-    """The small-request table: coalescing on and off, in alternating rounds."""
+    """The small-request table: coalescing on and off, in alternating rounds; then
+    `clients` small clients against one large (`_against_one_client`)."""
     print(
         f"| model | reduction | B | examples/s off | examples/s on | ratio | p50 ms off | "
         f"p50 ms on | p99 ms off | p99 ms on |  ({clients} clients, {seconds:.0f} s, "
         f"medians of {rounds} rounds)"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    reference = []
     for model, make_batch in SMALL_MODELS.items():
         settings = {
             "off": ("--max-coalesced-batch", "0"),
@@ -157,10 +178,21 @@ def small(clients: int, seconds: float, rounds: int) -> None:
                         f"{1000 * off[2]:.1f} | {1000 * on[2]:.1f} |",
                         flush=True,
                     )
+            reference += _against_one_client(servers["off"][1], model, clients, seconds, rounds)
         finally:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait(timeout=60)
+    _print_reference(reference, clients, rounds)
+
+
+def _print_reference(rows: list[str], clients: int, rounds: int) -> None:
+    print(
+        f"\n| model | reduction | {clients} clients x B={SMALL_BATCHES[0]}, examples/s | "
+        f"1 client x B={REFERENCE_BATCH} | ratio |  (coalescing off, medians of {rounds})"
+    )
+    print("| --- | --- | ---: | ---: | ---: |")
+    print("\n".join(rows))
 
 
 def peak_rss_bytes(pid: int) -> int:
