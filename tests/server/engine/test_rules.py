@@ -97,6 +97,10 @@ CASES: dict[str, Callable[[], keras.Model]] = {
     "conv1d_same_strided_by_slices": lambda: _model(
         (11, 4), lambda x: L.Conv1D(3, 4, strides=2, padding="same", kernel_initializer=_init(4))(x)
     ),
+    "conv2d_grouped_by_slices": lambda: _model(
+        (6, 6, 8),
+        lambda x: L.Conv2D(4, 3, padding="same", groups=2, kernel_initializer=_init(3))(x),
+    ),
     "depthwise_conv2d_by_slices": lambda: _model(
         (6, 6, 8), lambda x: L.DepthwiseConv2D(3, padding="same", depthwise_initializer=_init(5))(x)
     ),
