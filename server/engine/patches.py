@@ -6,11 +6,13 @@ the same bits:
   4x4 at stride 2): the padded input reshaped so that a stride's rows, and a stride's
   columns times the channels, are axes of their own, then one unit-stride slice per
   kernel row and column group, concatenated. A copy of the patches and no arithmetic,
-  while each slice's rows are at least _SLICE_MIN_WIDTH floats;
+  while each slice's rows hold at least _SLICE_MIN_WIDTH values;
 - by a convolution with an identity filter (N*K*K multiply-adds), while K is small;
 - by `tf.image.extract_patches` (~3.5 ns an output element here) otherwise.
 
-Medians of 15 here (B=256 unless said; ms, each way then the one chosen): mnist_cnn's
+Ad hoc timings of each way in a tf.function, medians of 15 here (B=256 unless said; ms,
+each way then the one chosen; the whole passes' figures are in benchmarks/README's
+reductions.py section): mnist_cnn's
 conv2 (4x4 / 2 over 16 channels) 1.8-3.2 by extract_patches, 1.0-1.1 by slices; a 3x3
 same conv over 16 channels, B=64 at 32x32, 13.8-16.4 by the identity filter, 5.4-5.8 by
 slices; over 64 channels at 56x56, B=32, 52-53 by extract_patches, 28-31 by slices.
@@ -34,8 +36,8 @@ import tensorflow as tf
 # ~55 GMAC/s here, `tf.image.extract_patches` about 3.5 ns per output element (N*K); for
 # mnist_cnn's conv1 (K=64) 3.6 ms vs 18 ms, for its conv2 (K=256) 7.8 ms vs 4.4 ms.
 _IDENTITY_FILTER_MAX_K = 192
-# Floats a slice copies at a time (a stride's columns times the channels) at least, for
-# slices to beat the other ways (the module's figures).
+# Values a slice copies at a time (a stride's columns times the channels) at least, for
+# slices to beat the other ways (the module's figures, in float32).
 _SLICE_MIN_WIDTH = 8
 
 Pair = tuple[int, int]
@@ -95,8 +97,8 @@ def _by_slices(inputs: tf.Tensor, sizes: Pair, strides: Pair, padding: str) -> t
         _output_and_padding(width, kw, sw, padding),
     )
     need_h, need_w = (out_h - 1) * sh + kh, (out_w - 1) * sw + kw
-    if need_h > height or need_w > width or before_h or before_w:
-        after_h, after_w = max(need_h - height - before_h, 0), max(need_w - width - before_w, 0)
+    after_h, after_w = max(need_h - height - before_h, 0), max(need_w - width - before_w, 0)
+    if before_h or after_h or before_w or after_w:
         inputs = tf.pad(inputs, [[0, 0], [before_h, after_h], [before_w, after_w], [0, 0]])
     rows = tf.reshape(
         inputs[:, :need_h, :need_w], [-1, need_h // sh, sh, need_w // sw, sw * channels]
@@ -107,7 +109,7 @@ def _by_slices(inputs: tf.Tensor, sizes: Pair, strides: Pair, padding: str) -> t
         for r in range(sh)
         for b in range(kw // sw)
     ]
-    return tf.concat(parts, -1) if len(parts) > 1 else parts[0]
+    return tf.concat(parts, -1)
 
 
 def _output_and_padding(length: int, size: int, stride: int, padding: str) -> Pair:
