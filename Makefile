@@ -93,6 +93,7 @@ bench: install
 	$(PY) benchmarks/chunked.py
 	$(PY) benchmarks/load.py
 	$(PY) benchmarks/load.py --small
+	$(PY) benchmarks/small_floor.py
 	$(PY) benchmarks/dp_step.py
 	$(PY) benchmarks/gpt2_dp.py
 	$(PY) benchmarks/recurrent.py

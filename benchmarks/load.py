@@ -87,7 +87,7 @@ def small_client(target: str, model: str, reduction: str, batch: int) -> None:
     print(json.dumps({"latencies": latencies}))
 
 
-def _small_run(
+def small_run(
     target: str, model: str, reduction: str, batch: int, clients: int, seconds: float
 ) -> tuple[float, float, float]:
     """(examples/s, p50 s, p99 s) of `clients` processes sending for `seconds`, the clock
@@ -126,8 +126,8 @@ def _against_one_client(
     for reduction in SMALL_REDUCTIONS:
         many, one = [], []
         for _ in range(rounds):
-            many.append(_small_run(target, model, reduction, SMALL_BATCHES[0], clients, seconds))
-            one.append(_small_run(target, model, reduction, REFERENCE_BATCH, 1, seconds))
+            many.append(small_run(target, model, reduction, SMALL_BATCHES[0], clients, seconds))
+            one.append(small_run(target, model, reduction, REFERENCE_BATCH, 1, seconds))
         m, o = (statistics.median(run[0] for run in runs) for runs in (many, one))
         rows.append(f"| {model} | {reduction} | {m:.0f} | {o:.0f} | {m / o:.2f} |")
     return rows
@@ -166,7 +166,7 @@ def small(clients: int, seconds: float, rounds: int) -> None:
                     for _ in range(rounds):
                         for mode, (_, target) in servers.items():
                             runs[mode].append(
-                                _small_run(target, model, reduction, batch, clients, seconds)
+                                small_run(target, model, reduction, batch, clients, seconds)
                             )
                     off, on = (
                         [statistics.median(r[k] for r in runs[mode]) for k in range(3)]
