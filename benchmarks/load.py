@@ -117,6 +117,16 @@ def small_run(
     )
 
 
+def warm_small(target: str, model: str, batches: tuple[int, ...]) -> None:
+    """One call of each small-request reduction at each of `batches`: compiled before any
+    clock starts."""
+    with GradientClient(target) as client:
+        for batch in batches:
+            for reduction, options in SMALL_REDUCTIONS.items():
+                x, y = SMALL_MODELS[model](batch)
+                client.per_example_gradients(model, x, y, reduction=reduction, **options)
+
+
 def _against_one_client(
     target: str, model: str, clients: int, seconds: float, rounds: int
 ) -> list[str]:
@@ -143,7 +153,7 @@ def small(clients: int, seconds: float, rounds: int) -> None:
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     reference = []
-    for model, make_batch in SMALL_MODELS.items():
+    for model in SMALL_MODELS:
         settings = {
             "off": ("--max-coalesced-batch", "0"),
             "on": ("--max-coalesced-batch", str(AUTO_COALESCED_BATCH)),
@@ -154,12 +164,7 @@ def small(clients: int, seconds: float, rounds: int) -> None:
         }
         try:
             for _, target in servers.values():
-                with GradientClient(target) as warm:
-                    for batch in SMALL_BATCHES:
-                        for reduction, options in SMALL_REDUCTIONS.items():
-                            warm.per_example_gradients(
-                                model, *make_batch(batch), reduction=reduction, **options
-                            )
+                warm_small(target, model, SMALL_BATCHES)
             for reduction in SMALL_REDUCTIONS:
                 for batch in SMALL_BATCHES:
                     runs = {mode: [] for mode in servers}

@@ -39,11 +39,9 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import REFERENCE_BATCH, SMALL_BATCHES, SMALL_MODELS, SMALL_REDUCTIONS, small_run
+from load import REFERENCE_BATCH, SMALL_BATCHES, SMALL_REDUCTIONS, small_run, warm_small
 from server_cpu import cpu_by_kind, thread_cpu
 from transport import pergrad_server, spawn
-
-from pergrad.client import GradientClient
 
 MODEL = "mnist_mlp"
 BARE = {"engine": False, "echo": False, "aio echo": True}  # kind: on grpc.aio
@@ -138,14 +136,6 @@ def serve(kind: str) -> None:
     asyncio.run(run())
 
 
-def _warm(target: str) -> None:
-    with GradientClient(target) as client:
-        for batch in (SMALL_BATCHES[0], REFERENCE_BATCH):
-            for reduction, options in SMALL_REDUCTIONS.items():
-                x, y = SMALL_MODELS[MODEL](batch)
-                client.per_example_gradients(MODEL, x, y, reduction=reduction, **options)
-
-
 def _run(server: tuple, batch: int, clients: int, reduction: str, seconds: float) -> tuple:
     """(examples/s, p50 s, the server's CPU seconds an example) of one `load.py` run."""
     process, target = server
@@ -176,7 +166,7 @@ def measure(clients: int, seconds: float, rounds: int) -> list[str]:
     rows = []
     try:
         for _, target in servers.values():
-            _warm(target)
+            warm_small(target, MODEL, (SMALL_BATCHES[0], REFERENCE_BATCH))
         for reduction in SMALL_REDUCTIONS:
             one, many = [], {kind: [] for kind in servers}
             for _ in range(rounds):
