@@ -2,7 +2,9 @@
 
 A `pergrad serve` of mnist_mlp (`--jit-compile off`, as shipped) answers small calls
 (ListModels, the entrance alone; B=8 `norms` and seeded `clipped_sum`), from one caller
-in a loop and then from 16 callers at once; a bare grpcio echo server (`latency.py`'s)
+in a loop and then from 16 callers at once (threads of this process on one channel: one
+connection, so one caller to pergrad's guard, which computes a caller's calls on half its
+workers; `small_floor.py` has 16 connections); a bare grpcio echo server (`latency.py`'s)
 answers requests of the same bytes with responses of the same bytes, the same ways, and a
 second one serves its method as pergrad's guard must (request-streaming: its one request
 read, then the client's end, so that a client that never sends it can be timed; a unary
