@@ -33,7 +33,6 @@ import functools
 import statistics
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -41,7 +40,9 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import REFERENCE_BATCH, SMALL_BATCHES, SMALL_REDUCTIONS, small_run, warm_small
 from server_cpu import cpu_by_kind, thread_cpu
-from transport import pergrad_server, spawn
+from transport import announce, pergrad_server, serve_handler, spawn
+
+from pergrad.wire.rpc import SERVICE_NAME
 
 MODEL = "mnist_mlp"
 BARE = {"engine": False, "echo": False, "aio echo": True}  # kind: on grpc.aio
@@ -105,7 +106,7 @@ def _handler(
 
     kinds = {"request_deserializer": _IDENTITY, "response_serializer": _IDENTITY}
     return grpc.method_handlers_generic_handler(
-        "pergrad.v1.GradientService",
+        SERVICE_NAME,
         {
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(info_of, **kinds),
             "ComputePerExampleGradients": grpc.unary_stream_rpc_method_handler(compute, **kinds),
@@ -119,18 +120,14 @@ def serve(kind: str) -> None:
     aio = BARE[kind]
     handler = _handler(*_answers(kind), aio)
     if not aio:
-        server = grpc.server(futures.ThreadPoolExecutor(8), handlers=[handler])
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        print(f"ready on 127.0.0.1:{port}", file=sys.stderr, flush=True)
-        server.wait_for_termination()
+        serve_handler(handler, threads=8)
         return
 
     async def run() -> None:
         server = grpc.aio.server(handlers=[handler])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        print(f"ready on 127.0.0.1:{port}", file=sys.stderr, flush=True)
+        announce(port)
         await server.wait_for_termination()
 
     asyncio.run(run())

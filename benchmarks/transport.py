@@ -98,16 +98,26 @@ def serve_bare(service: str, method: str, stream: Callable, *, as_stream: bool =
             return stream(request, context)
 
         method_handler = grpc.stream_stream_rpc_method_handler(one_request)
-    handler = grpc.method_handlers_generic_handler(service, {method: method_handler})
+    serve_handler(grpc.method_handlers_generic_handler(service, {method: method_handler}))
+
+
+def serve_handler(handler: grpc.GenericRpcHandler, *, threads: int = 4) -> None:
+    """A bare sync gRPC server of `handler` on a free loopback port: prints its ready line
+    (`announce`) and serves until killed."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(4),
+        futures.ThreadPoolExecutor(threads),
         handlers=[handler],
         options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)],
     )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    print(f"ready on 127.0.0.1:{port}", file=sys.stderr, flush=True)
+    announce(port)
     server.wait_for_termination()
+
+
+def announce(port: int) -> None:
+    """The line `spawn` waits for: the server listens on 127.0.0.1:`port`."""
+    print(f"ready on 127.0.0.1:{port}", file=sys.stderr, flush=True)
 
 
 def raw_fetch(channel: grpc.Channel, total: int, chunk: int) -> Callable[[], object]:
@@ -148,7 +158,7 @@ def serve_replay(batch: int) -> None:
 
     engine.passes.blocks = replay
     running = start(Config(host="127.0.0.1", port=0, metrics_port=0), ModelRegistry([served]))
-    print(f"ready on 127.0.0.1:{running.port}", file=sys.stderr, flush=True)
+    announce(running.port)
     running.server.wait_for_termination()
 
 
