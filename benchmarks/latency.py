@@ -132,8 +132,8 @@ class Phases:
         self.admission = Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
         )
-        bound = with_coalescing_resolved(config).max_coalesced_batch
-        self.settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name, bound)
+        self.settings = Settings.of(with_coalescing_resolved(config))
+        bound = self.settings.max_coalesced_batch
         self.coalescer = (
             Coalescer(
                 self.engine,

@@ -122,8 +122,8 @@ def warm_small(target: str, model: str, batches: tuple[int, ...]) -> None:
     clock starts."""
     with GradientClient(target) as client:
         for batch in batches:
+            x, y = SMALL_MODELS[model](batch)
             for reduction, options in SMALL_REDUCTIONS.items():
-                x, y = SMALL_MODELS[model](batch)
                 client.per_example_gradients(model, x, y, reduction=reduction, **options)
 
 

@@ -70,7 +70,7 @@ def _answers(kind: str) -> tuple[bytes, Callable[[bytes], list[bytes]]]:
     registry = build_registry(config)
     served = registry.get(MODEL)
     info = model_info(served, config, request_bytes_limit(config, registry))
-    settings = Settings(config.max_batch, config.chunk_bytes, config.replica_name)
+    settings = Settings.of(config)
     admission = Admission(
         max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
     )

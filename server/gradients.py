@@ -18,6 +18,7 @@ import numpy as np
 
 from pergrad.server.admission.inflight import Admission
 from pergrad.server.coalescer import Coalescer
+from pergrad.server.config import Config
 from pergrad.server.engine import Batch
 from pergrad.server.engine.group import Job
 from pergrad.server.engine.sinks import Sink
@@ -25,7 +26,7 @@ from pergrad.server.errors import FailedPrecondition, InvalidArgument, over_max_
 from pergrad.server.memory import in_flight
 from pergrad.server.models.registry import ServedModel
 from pergrad.server.prefetch import prefetched
-from pergrad.server.sharing import served_plan
+from pergrad.server.sharing import UNRESOLVED_COALESCING, served_plan
 from pergrad.server.weights import Snapshot
 from pergrad.v1 import gradient_service_pb2 as pb
 from pergrad.v1 import tensor_pb2
@@ -45,12 +46,18 @@ _GRADIENTS = "gradients"  # full gradients' output field (`wire.catalogue`)
 
 @dataclass(frozen=True)
 class Settings:
-    """The server's settings a gradients request needs."""
+    """The server's settings a gradients request needs (`of`: from its configuration)."""
 
     max_batch: int
     chunk_bytes: int
     replica_name: str
-    max_coalesced_batch: int = 0
+    max_coalesced_batch: int
+
+    @classmethod
+    def of(cls, config: Config) -> Settings:
+        if (bound := config.max_coalesced_batch) is None:
+            raise ValueError(UNRESOLVED_COALESCING)
+        return cls(config.max_batch, config.chunk_bytes, config.replica_name, bound)
 
 
 @dataclass(frozen=True)
@@ -150,11 +157,9 @@ def responses(
     charge: Charge,
     coalescer: Coalescer | None = None,
 ) -> Iterator[pb.GradientsResponse | bytes]:
-    """The response messages of `work`: a header, then pre-encoded chunk messages.
-
-    A small request shares passes with others (`coalescer`, fairly between callers); a
-    larger one streams full gradients block by block, or computes its reduction alone.
-    """
+    """The response messages of `work`: a header, then pre-encoded chunk messages. A small
+    request shares passes with others (`coalescer`, fairly between callers); a larger one
+    streams full gradients block by block, or computes its reduction alone."""
     cancelled = charge.cancelled
     with charge.admit(work), in_flight():
         if coalescer is not None and coalescer.takes(work.batch.size):
@@ -172,8 +177,7 @@ def responses(
 
 
 def reduced(work: Work, charge: Charge) -> GradientResult:
-    """`work`'s reduction computed alone, admitted like a request's, its values finite
-    (ApplyStep's gradient)."""
+    """`work`'s reduction alone, admitted like a request's, its values finite (ApplyStep's)."""
     with charge.admit(work), in_flight():
         result = _alone(work, charge.cancelled)
     _finite([array for _, _, array in result_arrays(result)])
@@ -269,12 +273,9 @@ def _whole_result(
 def _full_gradients(
     work: Work, settings: Settings, cancelled: Callable[[], bool]
 ) -> Iterator[Part]:
-    """Full per-example gradients, streamed block by block.
-
-    A thread computes block k+1 while block k is serialized and sent; the engine
-    rotates three sets of block buffers, enough for one block being sent, one
-    waiting and one being filled.
-    """
+    """Full per-example gradients, streamed block by block: a thread computes block k+1
+    while block k is serialized and sent, the engine rotating three sets of block buffers
+    (one being sent, one waiting, one being filled)."""
     yield _header(work, settings, [(e.field, e.variable, e.shape, d) for e, d in work.outputs])
     blocks = work.served.engine.passes.blocks(
         work.batch,

@@ -19,7 +19,7 @@ from pergrad.server.gradients import Charge, Settings, prepare, responses
 from pergrad.server.metrics import ServerMetrics
 from pergrad.server.model_info import model_info
 from pergrad.server.models.registry import ModelRegistry, ServedModel
-from pergrad.server.sharing import UNRESOLVED_COALESCING, Coalescers
+from pergrad.server.sharing import Coalescers
 from pergrad.server.status import Refusal, parser, status
 from pergrad.server.steps import Step, apply_step
 from pergrad.server.tracking import tracked
@@ -69,17 +69,13 @@ class GradientServicer(pb_grpc.GradientServiceServicer):
         coalescers: Coalescers | None = None,
         admission: Admission | None = None,
     ) -> None:
-        if config.max_coalesced_batch is None:
-            raise ValueError(UNRESOLVED_COALESCING)
+        self._settings = Settings.of(config)
         self._registry = registry
         self._config = config
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._coalescers = coalescers
         self._admission = admission or Admission(
             max_examples=config.max_inflight_examples, max_bytes=config.max_inflight_bytes
-        )
-        self._settings = Settings(
-            config.max_batch, config.chunk_bytes, config.replica_name, config.max_coalesced_batch
         )
         self._max_request_bytes = request_bytes_limit(config, registry)
         self._bounds = RequestBounds(
